@@ -1,0 +1,133 @@
+// `qkv attend`: scaled dot-product attention on .npy files.
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "qkv/attention.hpp"
+#include "qkv/error.hpp"
+#include "qkv/npy.hpp"
+
+namespace qkv::cli {
+namespace {
+
+struct AttendOptions {
+  std::string q, k, v, out, lse, probs, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
+  std::optional<double> scale;
+  double softcap = 0.0;
+  bool causal = false, reference = false;
+  int threads = 0;
+};
+
+// Reads a 4-D input and returns it as a [B,H,S,D] view (permuting BSHD files).
+NpyArray read_input(const std::string& flag, const std::string& path) {
+  NpyArray a;
+  try {
+    a = read_npy(path);
+  } catch (const Error& e) {
+    throw Error(flag + ": " + e.what());
+  }
+  if (a.shape().size() != 4)
+    throw Error(flag + ": expected a 4-D array, got shape " + shape_str(a.shape()) + " in " + path);
+  return a;
+}
+
+std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) {
+  const auto comma = s.find(',');
+  auto bad = [&] { return Error("--window: expected LEFT,RIGHT (integers >= -1), got '" + s + "'"); };
+  if (comma == std::string::npos) throw bad();
+  try {
+    std::size_t n1 = 0, n2 = 0;
+    const std::string a = s.substr(0, comma), b = s.substr(comma + 1);
+    const long long l = std::stoll(a, &n1), r = std::stoll(b, &n2);
+    if (n1 != a.size() || n2 != b.size()) throw bad();
+    return {l, r};
+  } catch (const std::logic_error&) {
+    throw bad();
+  }
+}
+
+void run_attend(const AttendOptions& o) {
+  const bool bshd = o.layout == "bshd";
+  auto to_bhsd = [&](const TensorView& t) { return bshd ? t.permute({0, 2, 1, 3}) : t; };
+
+  const NpyArray qa = read_input("--q", o.q), ka = read_input("--k", o.k), va = read_input("--v", o.v);
+  const TensorView q = to_bhsd(qa.view()), k = to_bhsd(ka.view()), v = to_bhsd(va.view());
+
+  AttentionParams p;
+  p.scale = o.scale;
+  p.softcap = o.softcap;
+  p.causal = o.causal;
+  p.align = o.align == "top-left" ? Alignment::top_left : Alignment::bottom_right;
+  if (!o.window.empty()) std::tie(p.window_left, p.window_right) = parse_window(o.window);
+  p.kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
+  p.num_threads = o.threads;
+
+  NpyArray mask, lens;
+  if (!o.mask.empty()) {
+    try { mask = read_npy(o.mask); } catch (const Error& e) { throw Error(std::string("--mask: ") + e.what()); }
+    p.mask = mask.view();
+  }
+  if (!o.kv_lens.empty()) {
+    try { lens = read_npy(o.kv_lens); } catch (const Error& e) { throw Error(std::string("--kv-lens: ") + e.what()); }
+    p.kv_lens = lens.view();
+  }
+
+  const std::int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2), Dv = v.size(3);
+  const Shape out_shape = bshd ? Shape{B, Sq, Hq, Dv} : Shape{B, Hq, Sq, Dv};
+  Tensor out(DType::f32, out_shape);
+  std::optional<Tensor> lse, probs;
+  std::optional<TensorView> lse_view, probs_view;
+  if (!o.lse.empty()) { lse.emplace(DType::f32, Shape{B, Hq, Sq}); lse_view = lse->view(); }
+  if (!o.probs.empty()) {
+    checked_numel({B, Hq, Sq, Sk}, 4, "--probs");
+    probs.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
+    probs_view = probs->view();
+  }
+  attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
+
+  // Each file is written atomically; if a later one fails, the earlier ones are removed too.
+  std::vector<std::string> written;
+  auto write = [&](const std::string& path, const TensorView& t) {
+    try {
+      write_npy(path, t);
+      written.push_back(path);
+    } catch (...) {
+      std::error_code ec;
+      for (const auto& w : written) std::filesystem::remove(w, ec);
+      throw;
+    }
+  };
+  write(o.out, out.view());
+  if (lse) write(o.lse, lse->view());
+  if (probs) write(o.probs, probs->view());
+}
+
+}  // namespace
+
+void add_attend(CLI::App& app) {
+  auto o = std::make_shared<AttendOptions>();
+  auto* cmd = app.add_subcommand("attend", "Attention on .npy files: O = softmax(QK^T * scale) V");
+  cmd->add_option("--q", o->q, "queries, [B,Hq,Sq,D] (bhsd) or [B,Sq,Hq,D] (bshd)")->required();
+  cmd->add_option("--k", o->k, "keys, [B,Hkv,Sk,D] or [B,Sk,Hkv,D]")->required();
+  cmd->add_option("--v", o->v, "values, [B,Hkv,Sk,Dv] or [B,Sk,Hkv,Dv]")->required();
+  cmd->add_option("--out", o->out, "output O, float32, in the input layout")->required();
+  cmd->add_option("--lse", o->lse, "write softmax_lse, float32 [B,Hq,Sq] (natural log)");
+  cmd->add_option("--probs", o->probs, "write the attention weights, float32 [B,Hq,Sq,Sk]");
+  cmd->add_option("--layout", o->layout, "axis order of q, k, v and out")->check(CLI::IsMember({"bhsd", "bshd"}));
+  cmd->add_option("--scale", o->scale, "score scale (default 1/sqrt(D))");
+  cmd->add_flag("--causal", o->causal, "causal mask: window (-1, 0)");
+  cmd->add_option("--align", o->align, "diagonal alignment when Sq != Sk")
+      ->check(CLI::IsMember({"bottom-right", "top-left"}));
+  cmd->add_option("--window", o->window, "sliding window LEFT,RIGHT (-1 = unbounded)");
+  cmd->add_option("--mask", o->mask, "bool (true = attend) or additive float mask, broadcastable to [B,Hq,Sq,Sk]");
+  cmd->add_option("--kv-lens", o->kv_lens, "int32/int64 [B] key lengths");
+  cmd->add_option("--softcap", o->softcap, "softcap c > 0: score = c*tanh(score/c)");
+  cmd->add_flag("--reference", o->reference, "run the float64 reference kernel");
+  cmd->add_option("--threads", o->threads, "threads (0 = all)")->check(CLI::NonNegativeNumber);
+  cmd->callback([o] { run_attend(*o); });
+}
+
+}  // namespace qkv::cli

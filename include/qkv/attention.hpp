@@ -1,0 +1,105 @@
+#pragma once
+/// @file attention.hpp
+/// Scaled dot-product attention: O = softmax(mask(softcap(scale * Q K^T))) V, per head.
+///
+/// Source: Vaswani et al. 2017, "Attention Is All You Need", sec. 3.2.1 (scaled dot-product
+/// attention); options as in FlashAttention-2 (Dao 2023) and PyTorch
+/// `scaled_dot_product_attention`. The complete semantics, with pictures of the diagonal
+/// alignments, are in docs/semantics.md.
+///
+/// Shapes (axis letters used in every message):
+///   q   [B, Hq,  Sq, D]     float32 | float64 | float16 | bfloat16
+///   k   [B, Hkv, Sk, D]     same dtype as q
+///   v   [B, Hkv, Sk, Dv]    same dtype as q
+///   out [B, Hq,  Sq, Dv]    float32 | float64 | bfloat16 (written)
+///   softmax_lse [B, Hq, Sq] float32 | float64 (optional, written): natural log of the sum of
+///                           exp(score) over the admissible keys of each row
+///   probs [B, Hq, Sq, Sk]   float32 | float64 (optional, written): the attention weights,
+///                           0 where a key is not admissible
+/// Any strides are accepted provided the last dimension is contiguous (stride 1), so both BHSD
+/// and BSHD (a permuted view) work, as do views into a packed QKV buffer.
+///
+/// Thread safety: attention() may be called concurrently from many threads provided their
+/// outputs do not overlap; it keeps no global mutable state.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+/// Where the causal/window diagonal sits when Sq != Sk.
+enum class Alignment {
+  /// Query i sits at key position i + Sk - Sq (the last query sees the last key):
+  /// FlashAttention >= 2.1, KV-cache decoding. The default.
+  bottom_right,
+  /// Query i sits at key position i: PyTorch `is_causal`.
+  top_left,
+};
+
+/// Which implementation runs. `automatic` picks the fastest usable one (see explain_dispatch()).
+enum class KernelKind { automatic, reference, flash, decode };
+
+/// Options of one attention call. Defaults give plain softmax(QK^T/sqrt(D))V.
+struct AttentionParams {
+  /// Multiplies q.k before softmax; default 1/sqrt(D). Must be finite.
+  std::optional<double> scale;
+  /// If > 0: score = softcap * tanh(score / softcap), after scaling, before masks (Gemma 2).
+  double softcap = 0.0;
+  /// Causal masking: shorthand for window (-1, 0). With a window (L, R): (L, min(R, 0)).
+  bool causal = false;
+  /// Sliding window: keys j in [diag - window_left, diag + window_right] are admissible;
+  /// -1 means unbounded on that side. Both -1 (default) means no window.
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  /// Diagonal alignment for causal and window masks.
+  Alignment align = Alignment::bottom_right;
+  /// Optional explicit mask broadcastable to [B, Hq, Sq, Sk] (NumPy rules, rank 1..4):
+  /// bool (true = attend, as PyTorch SDPA) or float32/float64 (added to the score; -inf
+  /// excludes the key).
+  std::optional<TensorView> mask;
+  /// Optional per-batch key lengths, int32 or int64 [B], each in [0, Sk]: keys j >= len[b] are
+  /// excluded and the bottom-right diagonal moves with len[b].
+  std::optional<TensorView> kv_lens;
+  /// Force an implementation (KernelKind::reference for the float64 specification).
+  KernelKind kernel = KernelKind::automatic;
+  /// Threads used inside the call; 0 = OpenMP's default (OMP_NUM_THREADS or all cores).
+  int num_threads = 0;
+};
+
+/// Computes attention into `out` (and optionally softmax_lse and probs).
+///
+/// Semantics, per (b, h, i): the admissible keys are those j < len[b] (or Sk) inside the window
+/// around the diagonal and not excluded by the mask; s_j = scale * q_i.k_j, then softcap, then
+/// the additive mask; O_i = sum_j softmax(s)_j v_j over admissible j. A row with no admissible
+/// key gives O_i = 0 and softmax_lse = -inf. Keys excluded by causal, window or key lengths are
+/// never read, so NaN or inf stored there cannot leak into any row.
+///
+/// @throws qkv::Error naming the argument and the expected and actual shape or value, for:
+///   a rank other than 4, a non-contiguous last dimension, mismatched B/D/Sk/Dv, Hq % Hkv != 0,
+///   unsupported or mismatched dtypes, a mask not broadcastable to [B,Hq,Sq,Sk], key lengths
+///   out of [0, Sk], a non-finite scale, a negative softcap, a window side < -1, an output
+///   overlapping an input, or a forced kernel that cannot run this call.
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const AttentionParams& params = {},
+               const std::optional<TensorView>& softmax_lse = std::nullopt,
+               const std::optional<TensorView>& probs = std::nullopt);
+
+/// Which kernel attention() would run for these arguments and why the others were refused,
+/// one line per kernel, e.g. "flash: chosen (AVX-512, fp32)". Throws like attention().
+std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const AttentionParams& params = {},
+                             const std::optional<TensorView>& softmax_lse = std::nullopt,
+                             const std::optional<TensorView>& probs = std::nullopt);
+
+/// Lowers the user-facing alignment + window options to the effective (left, right) window:
+/// causal => (-1, 0); causal with (L, R) => (L, min(R, 0)); -1 = unbounded.
+struct EffectiveWindow {
+  std::int64_t left = -1;
+  std::int64_t right = -1;
+};
+EffectiveWindow effective_window(const AttentionParams& params) noexcept;
+
+}  // namespace qkv

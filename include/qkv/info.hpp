@@ -1,0 +1,20 @@
+#pragma once
+/// @file info.hpp
+/// What this build of qkv can run on this machine (for `qkv info` and bug reports).
+#include <string>
+#include <vector>
+
+namespace qkv {
+
+/// One compiled kernel and whether it is usable on this CPU.
+struct KernelInfo {
+  std::string name;         ///< "flash", "decode", "reference"
+  std::string description;  ///< compiled ISA variants and which of them this CPU can run
+};
+
+/// CPU features detected at run time, e.g. "avx2 fma f16c avx512f ... avx512_bf16".
+std::string cpu_features_string();
+/// The kernels compiled into this build, in dispatch priority order.
+std::vector<KernelInfo> compiled_kernels();
+
+}  // namespace qkv

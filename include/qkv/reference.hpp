@@ -1,0 +1,22 @@
+#pragma once
+/// @file reference.hpp
+/// qkv::reference: the executable specification of attention.
+///
+/// float64, plain loops, no SIMD, no threads: the five steps in the order of
+/// Vaswani et al. 2017, sec. 3.2.1: (1) scores q_i.k_j, (2) scaling, then the options (softcap,
+/// masks), (3) row softmax, (4) weighted sum of the values. Every option of AttentionParams is
+/// implemented literally. It is the judge of every fast kernel; see docs/semantics.md.
+
+#include <optional>
+
+#include "qkv/attention.hpp"
+
+namespace qkv::reference {
+
+/// Same arguments, shapes, dtypes and errors as qkv::attention(); always runs in float64.
+void attention(const TensorView& q, const TensorView& k, const TensorView& v,
+               const TensorView& out, const AttentionParams& params = {},
+               const std::optional<TensorView>& softmax_lse = std::nullopt,
+               const std::optional<TensorView>& probs = std::nullopt);
+
+}  // namespace qkv::reference

@@ -1,0 +1,68 @@
+#pragma once
+// The lowered form of one attention call: validated once at the public boundary
+// (src/api/attention.cpp), then read by every kernel. Plain data, no ownership of tensors,
+// strides in elements, the last dimension of every operand contiguous.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "qkv/attention.hpp"
+
+namespace qkv::detail {
+
+/// A [B, H, S, X] operand with a contiguous last dimension.
+struct Operand {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  std::int64_t sb = 0, sh = 0, ss = 0;  // strides of B, H, S in elements
+};
+
+/// A writable [B, H, S, X] or [B, H, S] operand (ss/sx: strides of the last two axes).
+struct OutOperand {
+  void* data = nullptr;  // nullptr: not requested
+  DType dtype = DType::f32;
+  std::int64_t sb = 0, sh = 0, ss = 0, sx = 1;
+};
+
+/// An explicit mask broadcast to [B, Hq, Sq, Sk]: broadcast axes have stride 0.
+struct MaskOperand {
+  const void* data = nullptr;  // nullptr: no mask
+  DType dtype = DType::b8;     // b8 (true = attend), f32 or f64 (additive)
+  std::int64_t sb = 0, sh = 0, sq = 0, sk = 0;
+};
+
+struct Problem {
+  std::int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
+  Operand q, k, v;
+  OutOperand out, lse, probs;
+  MaskOperand mask;
+  double scale = 1.0;
+  double softcap = 0.0;                    // 0 = off
+  std::int64_t window_left = -1;           // effective window, -1 = unbounded
+  std::int64_t window_right = -1;
+  Alignment align = Alignment::bottom_right;
+  std::vector<std::int64_t> kv_lens;       // empty = Sk for every batch
+  int num_threads = 0;                     // 0 = OpenMP default
+
+  std::int64_t group() const noexcept { return Hkv ? Hq / Hkv : 1; }
+  std::int64_t kv_head(std::int64_t h) const noexcept { return h / group(); }
+  std::int64_t key_len(std::int64_t b) const noexcept {
+    return kv_lens.empty() ? Sk : kv_lens[static_cast<std::size_t>(b)];
+  }
+  bool has_window() const noexcept { return window_left >= 0 || window_right >= 0; }
+  /// Key position of query row i's diagonal.
+  std::int64_t diag(std::int64_t b, std::int64_t i) const noexcept {
+    return align == Alignment::bottom_right ? i + key_len(b) - Sq : i;
+  }
+  /// Half-open range [lo, hi) of keys that causal, window and key lengths admit for row (b, i);
+  /// an explicit mask may exclude more. lo >= hi means the row is empty.
+  void key_range(std::int64_t b, std::int64_t i, std::int64_t& lo, std::int64_t& hi) const noexcept {
+    const std::int64_t len = key_len(b), d = diag(b, i);
+    lo = window_left < 0 ? 0 : std::max<std::int64_t>(0, d - window_left);
+    hi = window_right < 0 ? len : std::min<std::int64_t>(len, d + window_right + 1);
+    if (hi < lo) hi = lo;
+  }
+};
+
+}  // namespace qkv::detail

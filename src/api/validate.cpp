@@ -1,0 +1,205 @@
+// Every check of an attention call happens here, once; kernels trust the lowered Problem.
+#include "api/validate.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "qkv/error.hpp"
+
+namespace qkv::detail {
+namespace {
+
+std::string s(std::int64_t x) { return std::to_string(x); }
+
+bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
+
+void check_rank4(const TensorView& t, const char* name, const char* axes) {
+  if (t.rank() != 4)
+    throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
+                s(t.rank()) + " with shape " + shape_str(t.shape()));
+  if (t.data() == nullptr && t.numel() > 0)
+    throw Error(std::string(name) + ": data pointer is null for shape " + shape_str(t.shape()));
+  if (t.size(3) > 1 && t.stride(3) != 1)
+    throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
+                s(t.stride(3)));
+  checked_numel(t.shape(), dtype_size(t.dtype()), name);
+}
+
+void expect_dim(const TensorView& t, const char* name, const char* axes, int axis,
+                const char* letter, std::int64_t want, const std::string& why) {
+  if (t.size(axis) != want)
+    throw Error(std::string(name) + ": expected " + axes + " with " + letter + " == " + why + " (" +
+                s(want) + "), got " + letter + " = " + s(t.size(axis)) + " in shape " + shape_str(t.shape()));
+}
+
+// Byte range [lo, hi) spanned by a view (empty views span nothing).
+struct Span { const char* lo = nullptr; const char* hi = nullptr; };
+Span span_of(const TensorView& t) {
+  if (t.numel() == 0 || !t.data()) return {};
+  std::int64_t lo = 0, hi = 0;
+  for (int a = 0; a < t.rank(); ++a) {
+    const std::int64_t ext = (t.size(a) - 1) * t.stride(a);
+    (ext < 0 ? lo : hi) += ext;
+  }
+  const auto* base = static_cast<const char*>(t.data());
+  const auto es = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  return {base + lo * es, base + (hi + 1) * es};
+}
+void check_no_overlap(const TensorView& out, const char* oname, const TensorView& in, const char* iname) {
+  const Span a = span_of(out), b = span_of(in);
+  if (a.lo && b.lo && a.lo < b.hi && b.lo < a.hi)
+    throw Error(std::string(oname) + ": output memory overlaps input " + iname);
+}
+
+OutOperand lower_out(const TensorView& t) {
+  OutOperand o;
+  o.data = t.data();
+  o.dtype = t.dtype();
+  o.sb = t.stride(0);
+  o.sh = t.stride(1);
+  o.ss = t.stride(2);
+  o.sx = t.rank() == 4 ? t.stride(3) : 1;
+  return o;
+}
+
+}  // namespace
+
+Problem lower_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const AttentionParams& params,
+                        const std::optional<TensorView>& softmax_lse,
+                        const std::optional<TensorView>& probs) {
+  check_rank4(q, "q", "[B,Hq,Sq,D]");
+  check_rank4(k, "k", "[B,Hkv,Sk,D]");
+  check_rank4(v, "v", "[B,Hkv,Sk,Dv]");
+  check_rank4(out, "out", "[B,Hq,Sq,Dv]");
+
+  if (!is_float(q.dtype()))
+    throw Error("q: expected dtype float32, float64, float16 or bfloat16, got " + std::string(dtype_name(q.dtype())));
+  if (k.dtype() != q.dtype())
+    throw Error("k: expected dtype " + std::string(dtype_name(q.dtype())) + " (the dtype of q), got " + std::string(dtype_name(k.dtype())));
+  if (v.dtype() != q.dtype())
+    throw Error("v: expected dtype " + std::string(dtype_name(q.dtype())) + " (the dtype of q), got " + std::string(dtype_name(v.dtype())));
+  if (!is_float(out.dtype()))
+    throw Error("out: expected dtype float32, float64, float16 or bfloat16, got " + std::string(dtype_name(out.dtype())));
+
+  Problem p;
+  p.B = q.size(0); p.Hq = q.size(1); p.Sq = q.size(2); p.D = q.size(3);
+  p.Hkv = k.size(1); p.Sk = k.size(2); p.Dv = v.size(3);
+  expect_dim(k, "k", "[B,Hkv,Sk,D]", 0, "B", p.B, "q.B");
+  expect_dim(k, "k", "[B,Hkv,Sk,D]", 3, "D", p.D, "q.D");
+  expect_dim(v, "v", "[B,Hkv,Sk,Dv]", 0, "B", p.B, "q.B");
+  expect_dim(v, "v", "[B,Hkv,Sk,Dv]", 1, "Hkv", p.Hkv, "k.Hkv");
+  expect_dim(v, "v", "[B,Hkv,Sk,Dv]", 2, "Sk", p.Sk, "k.Sk");
+  expect_dim(out, "out", "[B,Hq,Sq,Dv]", 0, "B", p.B, "q.B");
+  expect_dim(out, "out", "[B,Hq,Sq,Dv]", 1, "Hq", p.Hq, "q.Hq");
+  expect_dim(out, "out", "[B,Hq,Sq,Dv]", 2, "Sq", p.Sq, "q.Sq");
+  expect_dim(out, "out", "[B,Hq,Sq,Dv]", 3, "Dv", p.Dv, "v.Dv");
+  if (p.Hkv == 0 ? p.Hq != 0 : p.Hq % p.Hkv != 0)
+    throw Error("k: expected Hq % Hkv == 0 (grouped-query attention), got Hq = " + s(p.Hq) +
+                ", Hkv = " + s(p.Hkv));
+  if (p.D < 1 && !params.scale)
+    throw Error("q: expected D >= 1 for the default scale 1/sqrt(D), got D = " + s(p.D));
+
+  for (const auto* in : {&q, &k, &v}) {
+    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
+    check_no_overlap(out, "out", *in, n);
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
+    if (probs) check_no_overlap(*probs, "probs", *in, n);
+  }
+
+  p.q = {q.data(), q.dtype(), q.stride(0), q.stride(1), q.stride(2)};
+  p.k = {k.data(), k.dtype(), k.stride(0), k.stride(1), k.stride(2)};
+  p.v = {v.data(), v.dtype(), v.stride(0), v.stride(1), v.stride(2)};
+  p.out = lower_out(out);
+
+  if (softmax_lse) {
+    const TensorView& l = *softmax_lse;
+    if (l.rank() != 3 || l.size(0) != p.B || l.size(1) != p.Hq || l.size(2) != p.Sq)
+      throw Error("softmax_lse: expected shape [B,Hq,Sq] = " + shape_str({p.B, p.Hq, p.Sq}) +
+                  ", got " + shape_str(l.shape()));
+    if (l.dtype() != DType::f32 && l.dtype() != DType::f64)
+      throw Error("softmax_lse: expected dtype float32 or float64, got " + std::string(dtype_name(l.dtype())));
+    if (!l.data() && l.numel() > 0) throw Error("softmax_lse: data pointer is null");
+    check_no_overlap(*softmax_lse, "softmax_lse", out, "out");
+    p.lse = lower_out(l);
+  }
+  if (probs) {
+    const TensorView& pr = *probs;
+    if (pr.rank() != 4 || pr.size(0) != p.B || pr.size(1) != p.Hq || pr.size(2) != p.Sq || pr.size(3) != p.Sk)
+      throw Error("probs: expected shape [B,Hq,Sq,Sk] = " + shape_str({p.B, p.Hq, p.Sq, p.Sk}) +
+                  ", got " + shape_str(pr.shape()));
+    if (pr.dtype() != DType::f32 && pr.dtype() != DType::f64)
+      throw Error("probs: expected dtype float32 or float64, got " + std::string(dtype_name(pr.dtype())));
+    if (!pr.data() && pr.numel() > 0) throw Error("probs: data pointer is null");
+    checked_numel(pr.shape(), dtype_size(pr.dtype()), "probs");
+    check_no_overlap(*probs, "probs", out, "out");
+    if (softmax_lse) check_no_overlap(*probs, "probs", *softmax_lse, "softmax_lse");
+    p.probs = lower_out(pr);
+  }
+
+  // Scalars.
+  if (params.scale && !std::isfinite(*params.scale))
+    throw Error("scale: expected a finite number, got " + std::to_string(*params.scale));
+  p.scale = params.scale ? *params.scale : 1.0 / std::sqrt(static_cast<double>(p.D));
+  if (!std::isfinite(params.softcap) || params.softcap < 0.0)
+    throw Error("softcap: expected a finite number >= 0 (0 = off), got " + std::to_string(params.softcap));
+  p.softcap = params.softcap;
+  if (params.window_left < -1 || params.window_right < -1)
+    throw Error("window: expected LEFT,RIGHT >= -1 (-1 = unbounded), got " + s(params.window_left) +
+                "," + s(params.window_right));
+  const EffectiveWindow w = effective_window(params);
+  // A window wider than Sq + Sk admits everything on that side: clamping keeps the index
+  // arithmetic of the kernels far from overflow without changing the result.
+  const std::int64_t wide = p.Sq + p.Sk + 1;
+  p.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
+  p.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
+  p.align = params.align;
+  if (params.num_threads < 0)
+    throw Error("num_threads: expected >= 0 (0 = OpenMP default), got " + s(params.num_threads));
+  p.num_threads = params.num_threads;
+
+  // Explicit mask, broadcast to [B,Hq,Sq,Sk] with NumPy rules (right-aligned, size-1 axes).
+  if (params.mask) {
+    const TensorView& m = *params.mask;
+    const Shape target{p.B, p.Hq, p.Sq, p.Sk};
+    if (m.rank() < 1 || m.rank() > 4)
+      throw Error("mask: expected rank 1..4 broadcastable to [B,Hq,Sq,Sk] = " + shape_str(target) +
+                  ", got shape " + shape_str(m.shape()));
+    if (m.dtype() != DType::b8 && m.dtype() != DType::f32 && m.dtype() != DType::f64)
+      throw Error("mask: expected dtype bool (true = attend) or float32/float64 (additive), got " +
+                  std::string(dtype_name(m.dtype())));
+    if (!m.data() && m.numel() > 0) throw Error("mask: data pointer is null");
+    std::int64_t st[4] = {0, 0, 0, 0};
+    const int off = 4 - m.rank();
+    for (int a = 0; a < m.rank(); ++a) {
+      const std::int64_t want = target[static_cast<std::size_t>(a + off)];
+      if (m.size(a) != want && m.size(a) != 1)
+        throw Error("mask: shape " + shape_str(m.shape()) + " is not broadcastable to [B,Hq,Sq,Sk] = " +
+                    shape_str(target));
+      st[a + off] = m.size(a) == 1 ? 0 : m.stride(a);
+    }
+    p.mask = {m.data(), m.dtype(), st[0], st[1], st[2], st[3]};
+  }
+
+  if (params.kv_lens) {
+    const TensorView& l = *params.kv_lens;
+    if (l.rank() != 1 || l.size(0) != p.B)
+      throw Error("kv_lens: expected shape [B] = " + shape_str({p.B}) + ", got " + shape_str(l.shape()));
+    if (l.dtype() != DType::i32 && l.dtype() != DType::i64)
+      throw Error("kv_lens: expected dtype int32 or int64, got " + std::string(dtype_name(l.dtype())));
+    if (!l.data() && l.numel() > 0) throw Error("kv_lens: data pointer is null");
+    p.kv_lens.resize(static_cast<std::size_t>(p.B));
+    for (std::int64_t b = 0; b < p.B; ++b) {
+      const std::int64_t off = b * l.stride(0);
+      const std::int64_t len = l.dtype() == DType::i32 ? l.data_as<const std::int32_t>()[off]
+                                                       : l.data_as<const std::int64_t>()[off];
+      if (len < 0 || len > p.Sk)
+        throw Error("kv_lens: expected each length in [0, Sk] = [0, " + s(p.Sk) + "], got " + s(len) +
+                    " at batch " + s(b));
+      p.kv_lens[static_cast<std::size_t>(b)] = len;
+    }
+  }
+  return p;
+}
+
+}  // namespace qkv::detail

@@ -1,0 +1,4 @@
+#include "qkv/version.hpp"
+namespace qkv {
+const char* version() noexcept { return QKV_VERSION; }
+}  // namespace qkv

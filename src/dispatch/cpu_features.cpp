@@ -1,0 +1,62 @@
+#include "dispatch/cpu_features.hpp"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
+
+namespace qkv::detail {
+namespace {
+
+CpuFeatures detect() noexcept {
+  CpuFeatures f;
+#if defined(__x86_64__) || defined(_M_X64)
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = (c >> 27) & 1u;
+  f.fma = (c >> 12) & 1u;
+  f.f16c = (c >> 29) & 1u;
+  unsigned xcr0 = 0;
+  if (osxsave) {
+    unsigned lo, hi;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    xcr0 = lo;
+  }
+  const bool ymm_os = (xcr0 & 0x6u) == 0x6u;
+  const bool zmm_os = (xcr0 & 0xe6u) == 0xe6u;
+  if (!ymm_os) { f.fma = f.f16c = false; return f; }
+  unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  if (max_leaf >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    f.avx2 = (b >> 5) & 1u;
+    if (zmm_os) {
+      f.avx512f = (b >> 16) & 1u;
+      f.avx512dq = (b >> 17) & 1u;
+      f.avx512bw = (b >> 30) & 1u;
+      f.avx512vl = (b >> 31) & 1u;
+      f.avx512fp16 = (d >> 23) & 1u;
+      unsigned a1, b1, c1, d1;
+      __cpuid_count(7, 1, a1, b1, c1, d1);
+      f.avx512bf16 = (a1 >> 5) & 1u;
+    }
+  }
+#endif
+  return f;
+}
+
+}  // namespace
+
+std::string CpuFeatures::to_string() const {
+  std::string s;
+  auto add = [&](bool on, const char* n) { if (on) { if (!s.empty()) s += ' '; s += n; } };
+  add(avx2, "avx2"); add(fma, "fma"); add(f16c, "f16c");
+  add(avx512f, "avx512f"); add(avx512bw, "avx512bw"); add(avx512dq, "avx512dq");
+  add(avx512vl, "avx512vl"); add(avx512bf16, "avx512_bf16"); add(avx512fp16, "avx512_fp16");
+  return s.empty() ? "none" : s;
+}
+
+const CpuFeatures& cpu_features() noexcept {
+  static const CpuFeatures f = detect();
+  return f;
+}
+
+}  // namespace qkv::detail

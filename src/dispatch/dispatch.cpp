@@ -1,0 +1,47 @@
+#include "dispatch/dispatch.hpp"
+
+#include <array>
+
+#include "qkv/error.hpp"
+#include "reference/reference_kernel.hpp"
+
+namespace qkv::detail {
+namespace {
+
+std::string reference_refuse(const Problem&, bool) { return {}; }
+std::string reference_describe() { return "float64 loops, always usable"; }
+
+const std::array<KernelEntry, 1> kRegistry = {{
+    {"reference", KernelKind::reference, reference_refuse, reference_kernel, reference_describe},
+}};
+
+}  // namespace
+
+std::span<const KernelEntry> kernel_registry() { return kRegistry; }
+
+Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs) {
+  Choice c;
+  for (const KernelEntry& k : kRegistry) {
+    if (requested != KernelKind::automatic && k.kind != requested) {
+      c.explanation += std::string(k.name) + ": not requested\n";
+      continue;
+    }
+    const std::string why = k.refuse(p, want_probs);
+    if (!why.empty()) {
+      if (requested != KernelKind::automatic)
+        throw Error(std::string("kernel: the requested kernel '") + k.name + "' cannot run this call: " + why);
+      c.explanation += std::string(k.name) + ": refused (" + why + ")\n";
+      continue;
+    }
+    if (!c.kernel) {
+      c.kernel = &k;
+      c.explanation += std::string(k.name) + ": chosen\n";
+    } else {
+      c.explanation += std::string(k.name) + ": usable, lower priority\n";
+    }
+  }
+  if (!c.kernel) throw Error("kernel: the requested kernel is not compiled into this build");
+  return c;
+}
+
+}  // namespace qkv::detail

@@ -1,0 +1,16 @@
+#include "qkv/info.hpp"
+
+#include "dispatch/cpu_features.hpp"
+#include "dispatch/dispatch.hpp"
+
+namespace qkv {
+
+std::string cpu_features_string() { return detail::cpu_features().to_string(); }
+
+std::vector<KernelInfo> compiled_kernels() {
+  std::vector<KernelInfo> out;
+  for (const auto& k : detail::kernel_registry()) out.push_back({k.name, k.describe()});
+  return out;
+}
+
+}  // namespace qkv

@@ -1,0 +1,188 @@
+// Tensor views, owning tensors and the float16/bfloat16 storage conversions.
+#include "qkv/tensor.hpp"
+
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "qkv/error.hpp"
+
+namespace qkv {
+
+std::size_t dtype_size(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::f64: case DType::i64: return 8;
+    case DType::f32: case DType::i32: return 4;
+    case DType::f16: case DType::bf16: return 2;
+    case DType::b8: return 1;
+  }
+  return 1;
+}
+
+std::string_view dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::f32: return "float32";
+    case DType::f64: return "float64";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::b8: return "bool";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+  }
+  return "?";
+}
+
+std::string shape_str(const Shape& shape) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ',';
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+std::int64_t checked_numel(const Shape& shape, std::size_t elem_size, std::string_view what) {
+  std::int64_t n = 1;
+  for (auto d : shape) {
+    if (d < 0)
+      throw Error(std::string(what) + ": expected non-negative dimensions, got " + shape_str(shape));
+    if (d != 0 && n > std::numeric_limits<std::int64_t>::max() / d)
+      throw Error(std::string(what) + ": element count of shape " + shape_str(shape) + " overflows int64");
+    n *= d;
+  }
+  if (elem_size && static_cast<std::uint64_t>(n) > std::numeric_limits<std::size_t>::max() / elem_size / 2)
+    throw Error(std::string(what) + ": byte size of shape " + shape_str(shape) + " overflows size_t");
+  return n;
+}
+
+Shape contiguous_strides(const Shape& shape) {
+  Shape st(shape.size());
+  std::int64_t s = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    st[i] = s;
+    s *= std::max<std::int64_t>(shape[i], 1);
+  }
+  return st;
+}
+
+TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
+    : data_(data), dtype_(dtype), shape_(std::move(shape)), strides_(std::move(strides)) {
+  for (auto d : shape_)
+    if (d < 0) throw Error("tensor: expected non-negative dimensions, got " + shape_str(shape_));
+  if (strides_.empty()) strides_ = contiguous_strides(shape_);
+  if (strides_.size() != shape_.size())
+    throw Error("tensor: strides " + shape_str(strides_) + " do not match the rank of shape " +
+                shape_str(shape_));
+}
+
+std::int64_t TensorView::numel() const noexcept {
+  std::int64_t n = 1;
+  for (auto d : shape_) n *= d;
+  return n;
+}
+
+bool TensorView::is_contiguous() const noexcept {
+  std::int64_t s = 1;
+  for (std::size_t i = shape_.size(); i-- > 0;) {
+    if (shape_[i] != 1 && strides_[i] != s) return false;
+    s *= shape_[i];
+  }
+  return true;
+}
+
+TensorView TensorView::permute(std::initializer_list<int> order) const {
+  if (order.size() != shape_.size())
+    throw Error("permute: expected " + std::to_string(shape_.size()) + " axes, got " +
+                std::to_string(order.size()));
+  Shape sh, st;
+  std::vector<bool> seen(shape_.size(), false);
+  for (int a : order) {
+    if (a < 0 || a >= rank() || seen[static_cast<std::size_t>(a)])
+      throw Error("permute: axis " + std::to_string(a) + " is out of range or repeated");
+    seen[static_cast<std::size_t>(a)] = true;
+    sh.push_back(shape_[static_cast<std::size_t>(a)]);
+    st.push_back(strides_[static_cast<std::size_t>(a)]);
+  }
+  return TensorView(data_, dtype_, std::move(sh), std::move(st));
+}
+
+void Tensor::Free::operator()(void* p) const noexcept { std::free(p); }
+
+Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape)) {
+  numel_ = checked_numel(shape_, dtype_size(dtype_), "tensor");
+  std::size_t bytes = static_cast<std::size_t>(numel_) * dtype_size(dtype_);
+  bytes = (bytes + 63) / 64 * 64;  // aligned_alloc needs a multiple of the alignment
+  if (bytes == 0) bytes = 64;
+  void* p = std::aligned_alloc(64, bytes);
+  if (!p) throw std::bad_alloc();
+  std::memset(p, 0, bytes);
+  buf_.reset(p);
+}
+
+std::uint16_t float_to_half(float x) noexcept {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  const std::uint32_t sign = (u >> 16) & 0x8000u;
+  const std::uint32_t au = u & 0x7fffffffu;
+  if (au >= 0x7f800000u)  // inf or NaN (keep a quiet NaN)
+    return static_cast<std::uint16_t>(sign | 0x7c00u | (au > 0x7f800000u ? 0x200u : 0u));
+  if (au >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // rounds to inf
+  if (au < 0x38800000u) {  // subnormal half (or zero): round x * 2^24 to an integer, RNE
+    const float f = std::bit_cast<float>(au) * 16777216.0f;  // exact scaling by 2^24
+    const float r = std::nearbyint(f);
+    return static_cast<std::uint16_t>(sign | static_cast<std::uint32_t>(r));
+  }
+  // normal: rebias exponent, round mantissa from 23 to 10 bits, nearest even
+  std::uint32_t m = au + 0xc8000000u;  // exponent - 112 (127 - 15) in place
+  m += 0x0fffu + ((m >> 13) & 1u);
+  return static_cast<std::uint16_t>(sign | (m >> 13));
+}
+
+float half_to_float(std::uint16_t h) noexcept {
+  const std::uint32_t sign = (h & 0x8000u) << 16;
+  const std::uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24
+    const float f = static_cast<float>(man) * 5.9604644775390625e-8f;
+    return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | sign);
+  }
+  if (exp == 31) return std::bit_cast<float>(sign | 0x7f800000u | (man << 13));
+  return std::bit_cast<float>(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+std::uint16_t float_to_bf16(float x) noexcept {
+  const std::uint32_t u = std::bit_cast<std::uint32_t>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x40u);
+  return static_cast<std::uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float bf16_to_float(std::uint16_t b) noexcept {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
+}
+
+double load_as_double(const void* data, DType dtype, std::int64_t i) noexcept {
+  switch (dtype) {
+    case DType::f32: return static_cast<const float*>(data)[i];
+    case DType::f64: return static_cast<const double*>(data)[i];
+    case DType::f16: return half_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case DType::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(data)[i]);
+    case DType::b8: return static_cast<const std::uint8_t*>(data)[i] ? 1.0 : 0.0;
+    case DType::i32: return static_cast<const std::int32_t*>(data)[i];
+    case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(data)[i]);
+  }
+  return 0.0;
+}
+
+void store_from_double(void* data, DType dtype, std::int64_t i, double x) noexcept {
+  switch (dtype) {
+    case DType::f32: static_cast<float*>(data)[i] = static_cast<float>(x); break;
+    case DType::f64: static_cast<double*>(data)[i] = x; break;
+    case DType::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(static_cast<float>(x)); break;
+    case DType::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(static_cast<float>(x)); break;
+    case DType::b8: static_cast<std::uint8_t*>(data)[i] = x != 0.0; break;
+    case DType::i32: static_cast<std::int32_t*>(data)[i] = static_cast<std::int32_t>(x); break;
+    case DType::i64: static_cast<std::int64_t*>(data)[i] = static_cast<std::int64_t>(x); break;
+  }
+}
+
+}  // namespace qkv
