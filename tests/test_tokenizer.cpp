@@ -209,6 +209,44 @@ TEST(Tokenizer, MatchesTheLiteralAlgorithmOnRandomText) {
   }
 }
 
+TEST(Tokenizer, MatchesTheLiteralAlgorithmWithManyTiedScores) {
+  // A vocabulary over a 4-letter alphabet whose pieces share a handful of scores, so that the
+  // leftmost-on-ties rule decides most merges.
+  std::mt19937 rng(99);
+  for (int vocab_trial = 0; vocab_trial < 20; ++vocab_trial) {
+    auto v = base_pieces();
+    v.push_back({0, " "});
+    const std::string alphabet = "ab c";
+    std::vector<std::string> frontier{"a", "b", "c", " "};
+    for (const auto& f : frontier) v.push_back({-1, f});
+    for (int k = 0; k < 60; ++k) {
+      std::string p = frontier[rng() % frontier.size()] + frontier[rng() % frontier.size()];
+      if (p.size() > 6) continue;
+      frontier.push_back(p);
+      v.push_back({static_cast<float>(rng() % 3), p});
+    }
+    const Tokenizer t = qkv::parse_tokenizer(tokenizer_bytes(6, v));
+    for (int trial = 0; trial < 30; ++trial) {
+      std::string s;
+      const int n = static_cast<int>(rng() % 60);
+      for (int i = 0; i < n; ++i) s += alphabet[rng() % alphabet.size()];
+      ASSERT_EQ(t.encode(s), naive_encode(t, s, true, false)) << "text: '" << s << "'";
+      EXPECT_EQ(t.decode(t.encode(s)), s);
+    }
+  }
+}
+
+TEST(Tokenizer, LongTextStaysFastAndRoundTrips) {
+  const Tokenizer t = qkv::read_tokenizer(kTok);
+  std::string s;
+  while (s.size() < 200000) s += "Once upon a time, there was a little girl named Lily. She loved to play outside. ";
+  const auto ids = t.encode(s);
+  EXPECT_LT(ids.size(), s.size() / 3);
+  EXPECT_EQ(t.decode(ids), s);
+  const std::string head = s.substr(0, 2000);
+  EXPECT_EQ(t.encode(head), naive_encode(t, head, true, false));
+}
+
 TEST(Tokenizer, MergesByBestScoreLeftmostOnTiesAndNotAtOrBelowTheThreshold) {
   auto v = base_pieces();
   v.push_back({-1, " "});

@@ -49,7 +49,7 @@ public:
   /// (a lead byte with at most 3 continuation bytes), else one byte-fallback token per byte; then,
   /// repeatedly, the adjacent pair whose concatenation is the piece with the highest score (above
   /// -1e10; the leftmost pair on ties) is replaced by that piece, until no pair merges; optional EOS.
-  /// Cost O(n^2) piece lookups in the worst case for n bytes of text.
+  /// Cost O(n log n) for n bytes of text (llama2.c rescans all pairs per merge: O(n^2)).
   /// @throws qkv::Error on a default-constructed Tokenizer.
   std::vector<int> encode(std::string_view text, bool bos = true, bool eos = false) const;
 

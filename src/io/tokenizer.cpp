@@ -127,32 +127,55 @@ std::vector<int> Tokenizer::encode(std::string_view text, bool bos, bool eos) co
     cp.clear();
   }
 
-  // Merge: pair[i] is the piece spelled by tok[i] tok[i+1], or -1. After a merge only the two
-  // pairs touching the new token change, so each step costs one scan instead of n lookups.
-  std::string buf;
-  const auto pair_id = [&](std::size_t i) {
-    buf.assign(d.piece(tok[i]));
-    buf.append(d.piece(tok[i + 1]));
-    return find(buf);
-  };
-  std::vector<int> pair(tok.size() > 1 ? tok.size() - 1 : 0);
-  for (std::size_t i = 0; i < pair.size(); ++i) pair[i] = pair_id(i);
-  while (true) {
-    float best_score = -1e10f;  // llama2.c's threshold: pieces scored at or below it never merge
-    std::size_t best = pair.size();
-    for (std::size_t i = 0; i < pair.size(); ++i) {
-      if (pair[i] >= 0 && d.scores[static_cast<std::size_t>(pair[i])] > best_score) {
-        best_score = d.scores[static_cast<std::size_t>(pair[i])];
-        best = i;
-      }
-    }
-    if (best == pair.size()) break;
-    tok[best] = pair[best];
-    tok.erase(tok.begin() + static_cast<std::ptrdiff_t>(best) + 1);
-    pair.erase(pair.begin() + static_cast<std::ptrdiff_t>(best));
-    if (best > 0) pair[best - 1] = pair_id(best - 1);
-    if (best < pair.size()) pair[best] = pair_id(best);
+  // Merge. llama2.c rescans every adjacent pair after each merge (O(n^2) lookups); the same
+  // choice - the highest score above -1e10, the leftmost pair on ties - comes from a max-heap of
+  // candidate pairs over a linked list of tokens, with entries made stale by a merge skipped when
+  // popped: O(n log n). A merged token keeps its left part's index, so index order is text order.
+  const std::size_t n = tok.size();
+  std::vector<std::size_t> next(n), prev(n);
+  std::vector<std::uint32_t> version(n, 0);  // bumped when a token changes or is merged away
+  for (std::size_t i = 0; i < n; ++i) {
+    next[i] = i + 1;
+    prev[i] = i - 1;  // wraps for i == 0; never read there
   }
+  struct Candidate {
+    float score;
+    std::size_t left, right;
+    int id;
+    std::uint32_t left_version, right_version;
+  };
+  const auto worse = [](const Candidate& a, const Candidate& b) {
+    return a.score != b.score ? a.score < b.score : a.left > b.left;
+  };
+  std::vector<Candidate> heap;
+  std::string buf;
+  const auto consider = [&](std::size_t i, std::size_t j) {
+    buf.assign(d.piece(tok[i]));
+    buf.append(d.piece(tok[j]));
+    const int id = find(buf);
+    if (id < 0) return;
+    const float sc = d.scores[static_cast<std::size_t>(id)];
+    if (!(sc > -1e10f)) return;  // llama2.c's floor; also keeps NaN out of the ordering
+    heap.push_back({sc, i, j, id, version[i], version[j]});
+    std::push_heap(heap.begin(), heap.end(), worse);
+  };
+  for (std::size_t i = 0; i + 1 < n; ++i) consider(i, i + 1);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), worse);
+    const Candidate c = heap.back();
+    heap.pop_back();
+    if (version[c.left] != c.left_version || version[c.right] != c.right_version) continue;
+    tok[c.left] = c.id;
+    ++version[c.left];
+    ++version[c.right];
+    tok[c.right] = -1;
+    next[c.left] = next[c.right];
+    if (next[c.left] < n) prev[next[c.left]] = c.left;
+    // Token 0 is never a right part, so it stays; every other live token has a live prev.
+    if (c.left > 0) consider(prev[c.left], c.left);
+    if (next[c.left] < n) consider(c.left, next[c.left]);
+  }
+  tok.erase(std::remove(tok.begin(), tok.end(), -1), tok.end());
   if (eos) tok.push_back(eos_id);
   return tok;
 }
