@@ -28,7 +28,10 @@ struct ByteBuffer {
   void u8(std::uint8_t v) { raw(&v, 1); }
   void str(std::string_view s) { raw(s.data(), s.size()); }
   void pad_to(std::size_t n) { bytes.resize(n, std::byte{0}); }
-  template <class T> void put_at(std::size_t off, T v) { std::memcpy(bytes.data() + off, &v, sizeof v); }
+  template <class T>
+  void put_at(std::size_t off, T v) {
+    std::memcpy(bytes.data() + off, &v, sizeof v);
+  }
 };
 
 inline std::vector<std::byte> file_bytes(const std::filesystem::path& p) {
@@ -41,9 +44,10 @@ inline std::vector<std::byte> file_bytes(const std::filesystem::path& p) {
 }
 
 class TempDir {
-public:
+ public:
   explicit TempDir(const std::string& tag)
-      : path_(std::filesystem::temp_directory_path() / ("qkv_test_" + tag + "_" + std::to_string(::getpid()))) {
+      : path_(std::filesystem::temp_directory_path() /
+              ("qkv_test_" + tag + "_" + std::to_string(::getpid()))) {
     std::filesystem::create_directories(path_);
   }
   ~TempDir() {
@@ -60,7 +64,7 @@ public:
   }
   const std::filesystem::path& path() const { return path_; }
 
-private:
+ private:
   std::filesystem::path path_;
 };
 

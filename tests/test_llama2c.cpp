@@ -48,9 +48,20 @@ Weights random_weights(const Cfg& c, std::uint32_t seed) {
     return v;
   };
   const std::size_t d = c.dim, h = c.hidden, L = c.layers, kv = c.kv_dim(), V = c.vocab;
-  Weights w{c, fill(V * d), fill(L * d), fill(L * d * d), fill(L * kv * d), fill(L * kv * d), fill(L * d * d),
-            fill(L * d), fill(L * h * d), fill(L * d * h), fill(L * h * d), fill(d),
-            fill(static_cast<std::size_t>(c.seq) * (d / c.heads)), c.shared ? std::vector<float>{} : fill(V * d)};
+  Weights w{c,
+            fill(V * d),
+            fill(L * d),
+            fill(L * d * d),
+            fill(L * kv * d),
+            fill(L * kv * d),
+            fill(L * d * d),
+            fill(L * d),
+            fill(L * h * d),
+            fill(L * d * h),
+            fill(L * h * d),
+            fill(d),
+            fill(static_cast<std::size_t>(c.seq) * (d / c.heads)),
+            c.shared ? std::vector<float>{} : fill(V * d)};
   return w;
 }
 
@@ -59,7 +70,8 @@ void put_floats(ByteBuffer& b, const std::vector<float>& v) { b.raw(v.data(), v.
 std::vector<std::byte> write_v0(const Weights& w) {
   ByteBuffer b;
   const Cfg& c = w.c;
-  for (int f : {c.dim, c.hidden, c.layers, c.heads, c.kv_heads, c.shared ? c.vocab : -c.vocab, c.seq}) b.i32(f);
+  for (int f : {c.dim, c.hidden, c.layers, c.heads, c.kv_heads, c.shared ? c.vocab : -c.vocab, c.seq})
+    b.i32(f);
   for (const auto* v : {&w.emb, &w.rms_att, &w.wq, &w.wk, &w.wv, &w.wo, &w.rms_ffn, &w.w1, &w.w2, &w.w3,
                         &w.rms_final, &w.rope, &w.cls})
     put_floats(b, *v);
@@ -78,14 +90,15 @@ void put_header(ByteBuffer& b, const Cfg& c, int version, int group_size) {
 // Slices of one layer's matrix inside a stacked array.
 std::vector<float> layer_slice(const std::vector<float>& v, int layers, int l) {
   const std::size_t n = v.size() / static_cast<std::size_t>(layers);
-  return {v.begin() + static_cast<std::ptrdiff_t>(n * l), v.begin() + static_cast<std::ptrdiff_t>(n * (l + 1))};
+  return {v.begin() + static_cast<std::ptrdiff_t>(n * l),
+          v.begin() + static_cast<std::ptrdiff_t>(n * (l + 1))};
 }
 
 std::vector<std::byte> write_v1(const Weights& w) {
   ByteBuffer b;
   put_header(b, w.c, 1, 0);
-  for (const auto* v : {&w.rms_att, &w.rms_ffn, &w.rms_final, &w.emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1, &w.w2,
-                        &w.w3, &w.cls})
+  for (const auto* v : {&w.rms_att, &w.rms_ffn, &w.rms_final, &w.emb, &w.wq, &w.wk, &w.wv, &w.wo, &w.w1,
+                        &w.w2, &w.w3, &w.cls})
     put_floats(b, *v);
   return b.bytes;
 }
@@ -257,8 +270,8 @@ TEST(Llama2c, Stories260KQ80DequantisesBitIdenticallyToTheFloat32File) {
   EXPECT_EQ(q.config.group_size, 32);
   EXPECT_TRUE(q.config.shared_classifier);
   const auto fields = [](const qkv::Llama2cConfig& c) {
-    return std::vector<int>{c.dim, c.hidden_dim, c.n_layers, c.n_heads, c.n_kv_heads, c.vocab_size, c.max_seq_len,
-                            c.head_dim, c.kv_dim};
+    return std::vector<int>{c.dim,        c.hidden_dim,  c.n_layers, c.n_heads, c.n_kv_heads,
+                            c.vocab_size, c.max_seq_len, c.head_dim, c.kv_dim};
   };
   EXPECT_EQ(fields(a.config), fields(q.config));
   const auto same = [](const qkv::TensorView& x, const qkv::TensorView& y, const std::string& what) {
@@ -408,13 +421,15 @@ TEST(Llama2cHostile, BadMagicVersionAndFlags) {
 TEST(Llama2cHostile, ZeroNegativeAndAbsurdFields) {
   const auto v0 = file_bytes(kV0);
   const auto q80 = file_bytes(kQ80);
-  const char* names[7] = {"dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len"};
+  const char* names[7] = {"dim",        "hidden_dim", "n_layers",   "n_heads",
+                          "n_kv_heads", "vocab_size", "max_seq_len"};
   for (int f = 0; f < 7; ++f) {
     for (std::int32_t v : {0, -1, -64, INT_MIN, INT_MAX, (1 << 24) + 1, 1 << 24, 3, 1000000}) {
       for (int version : {0, 2}) {
         ByteBuffer b{version == 0 ? v0 : q80};
         b.put_at<std::int32_t>((version == 0 ? 0 : 8) + 4 * static_cast<std::size_t>(f), v);
-        SCOPED_TRACE(std::string(names[f]) + " = " + std::to_string(v) + ", version " + std::to_string(version));
+        SCOPED_TRACE(std::string(names[f]) + " = " + std::to_string(v) + ", version " +
+                     std::to_string(version));
         // Version 2 stores no RoPE tables: any sane max_seq_len leaves the length unchanged.
         if (version == 2 && f == 6 && v > 0 && v <= (1 << 24)) {
           EXPECT_EQ(qkv::parse_llama2c(b.bytes, "fields.bin").config.max_seq_len, v);

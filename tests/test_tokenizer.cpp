@@ -182,7 +182,9 @@ TEST(Tokenizer, ByteFallbackForCharactersNotInTheVocabulary) {
 
 TEST(Tokenizer, InvalidUtf8IsEncodedBytewise) {
   const Tokenizer t = qkv::read_tokenizer(kTok);
-  for (const std::string s : {std::string("\x80\x80" "abc"), std::string("x\xC3"), std::string("\xC3\xA9\xA9\xA9\xA9\xA9 y"),
+  for (const std::string s : {std::string("\x80\x80"
+                                          "abc"),
+                              std::string("x\xC3"), std::string("\xC3\xA9\xA9\xA9\xA9\xA9 y"),
                               std::string("\xFF\xFE"), std::string("\xE2\x80")}) {
     const auto ids = t.encode(s);
     EXPECT_EQ(ids, naive_encode(t, s, true, false)) << s;
@@ -192,9 +194,10 @@ TEST(Tokenizer, InvalidUtf8IsEncodedBytewise) {
 
 TEST(Tokenizer, MatchesTheLiteralAlgorithmOnRandomText) {
   const Tokenizer t = qkv::read_tokenizer(kTok);
-  const std::vector<std::string> atoms{"a", "e", "t", "h", "o", "n", " ", " ", "  ", ".", ",", "!", "Lily",
-                                       " the", "Tim", "my", "\xC3\xA9", "\xC3\xBC", "\xE2\x80\x9C",
-                                       "\xF0\x9F\x98\x80", "\n", "\t", "<0x41>", "1", "Z", "\x80"};
+  const std::vector<std::string> atoms{
+      "a",  "e",  "t",      "h",    "o",   "n",   " ",        " ",        "  ",           ".",
+      ",",  "!",  "Lily",   " the", "Tim", "my",  "\xC3\xA9", "\xC3\xBC", "\xE2\x80\x9C", "\xF0\x9F\x98\x80",
+      "\n", "\t", "<0x41>", "1",    "Z",   "\x80"};
   std::mt19937 rng(1234);
   for (int trial = 0; trial < 300; ++trial) {
     std::string s;
@@ -239,7 +242,8 @@ TEST(Tokenizer, MatchesTheLiteralAlgorithmWithManyTiedScores) {
 TEST(Tokenizer, LongTextStaysFastAndRoundTrips) {
   const Tokenizer t = qkv::read_tokenizer(kTok);
   std::string s;
-  while (s.size() < 200000) s += "Once upon a time, there was a little girl named Lily. She loved to play outside. ";
+  while (s.size() < 200000)
+    s += "Once upon a time, there was a little girl named Lily. She loved to play outside. ";
   const auto ids = t.encode(s);
   EXPECT_LT(ids.size(), s.size() / 3);
   EXPECT_EQ(t.decode(ids), s);
@@ -257,7 +261,7 @@ TEST(Tokenizer, MergesByBestScoreLeftmostOnTiesAndNotAtOrBelowTheThreshold) {
   v.push_back({5.0f, "abc"});   // 266
   v.push_back({9.0f, "bb"});    // 267
   const Tokenizer t = qkv::parse_tokenizer(tokenizer_bytes(6, v));
-  EXPECT_EQ(t.encode("abc"), (std::vector<int>{1, 259, 266}));    // ab (leftmost tie), then abc
+  EXPECT_EQ(t.encode("abc"), (std::vector<int>{1, 259, 266}));  // ab (leftmost tie), then abc
   EXPECT_EQ(t.encode("ca"), (std::vector<int>{1, 259, 262, 260}));
   EXPECT_EQ(t.encode("abbc"), (std::vector<int>{1, 259, 260, 267, 262}));  // bb (9) beats ab and bc
   for (const std::string s : {"abc", "ca", "abbc", "cabcab", "bcbcbca"})

@@ -42,18 +42,18 @@ namespace qkv {
 
 /// The model's hyperparameters, as stored in the header plus the values derived from them.
 struct Llama2cConfig {
-  int version = 0;         ///< file layout: 0 (legacy float32), 1 (float32), 2 (Q8_0)
-  int dim = 0;             ///< model width (embedding size)
-  int hidden_dim = 0;      ///< feed-forward inner width
-  int n_layers = 0;        ///< number of Transformer blocks
-  int n_heads = 0;         ///< query heads, Hq
-  int n_kv_heads = 0;      ///< key/value heads, Hkv (grouped-query attention when < Hq)
-  int vocab_size = 0;      ///< number of tokens (always positive here, whatever the file's sign)
-  int max_seq_len = 0;     ///< longest sequence the model was trained for
-  int head_dim = 0;        ///< D = dim / n_heads
-  int kv_dim = 0;          ///< n_kv_heads * head_dim
+  int version = 0;                ///< file layout: 0 (legacy float32), 1 (float32), 2 (Q8_0)
+  int dim = 0;                    ///< model width (embedding size)
+  int hidden_dim = 0;             ///< feed-forward inner width
+  int n_layers = 0;               ///< number of Transformer blocks
+  int n_heads = 0;                ///< query heads, Hq
+  int n_kv_heads = 0;             ///< key/value heads, Hkv (grouped-query attention when < Hq)
+  int vocab_size = 0;             ///< number of tokens (always positive here, whatever the file's sign)
+  int max_seq_len = 0;            ///< longest sequence the model was trained for
+  int head_dim = 0;               ///< D = dim / n_heads
+  int kv_dim = 0;                 ///< n_kv_heads * head_dim
   bool shared_classifier = true;  ///< wcls is the token embedding
-  int group_size = 0;      ///< Q8_0 group size (version 2), 0 otherwise
+  int group_size = 0;             ///< Q8_0 group size (version 2), 0 otherwise
 };
 
 /// One Transformer block's weights: float32, C-contiguous views into Llama2cModel::storage.
@@ -73,10 +73,10 @@ struct Llama2cLayer {
 /// the weights are meant to be read only.
 struct Llama2cModel {
   Llama2cConfig config;
-  TensorView token_embedding;       ///< [vocab_size, dim]
-  std::vector<Llama2cLayer> layers;  ///< n_layers entries
-  TensorView rms_final;             ///< [dim]
-  TensorView wcls;                  ///< [vocab_size, dim]; the token_embedding view when shared
+  TensorView token_embedding;             ///< [vocab_size, dim]
+  std::vector<Llama2cLayer> layers;       ///< n_layers entries
+  TensorView rms_final;                   ///< [dim]
+  TensorView wcls;                        ///< [vocab_size, dim]; the token_embedding view when shared
   std::shared_ptr<const Tensor> storage;  ///< owns every float the views point into
 };
 

@@ -1,8 +1,9 @@
 #pragma once
 /// @file tokenizer.hpp
 /// The llama2.c tokenizer: a SentencePiece BPE vocabulary (Kudo & Richardson 2018, "SentencePiece",
-/// EMNLP; BPE: Sennrich et al. 2016, ACL) in llama2.c's tokenizer.bin layout, with encode and decode
-/// exactly as llama2.c's run.c (https://github.com/karpathy/llama2.c, MIT licence).
+/// EMNLP demo, Sec. 3.1: whitespace is part of the pieces, so decoding is lossless; BPE merges:
+/// Sennrich et al. 2016, ACL, Sec. 3.2) in llama2.c's tokenizer.bin layout, with encode and decode
+/// as llama2.c's run.c (https://github.com/karpathy/llama2.c, MIT licence) produces them.
 ///
 /// File layout (little-endian): int32 max_token_length, then for every piece: float32 merge score,
 /// int32 byte length, the bytes (no terminator). The piece count is not stored: the reader takes
@@ -28,7 +29,7 @@ namespace qkv {
 
 /// An immutable vocabulary; copies share it.
 class Tokenizer {
-public:
+ public:
   static constexpr int unk_id = 0;
   static constexpr int bos_id = 1;  ///< begin of sequence; llama2.c's generation stops when it is produced
   static constexpr int eos_id = 2;
@@ -65,7 +66,7 @@ public:
   /// @throws qkv::Error if a token is outside [0, vocab_size).
   std::string decode(std::span<const int> tokens) const;
 
-private:
+ private:
   struct Data;
   friend Tokenizer parse_tokenizer(std::span<const std::byte>, const std::string&, int);
   const Data& data() const;

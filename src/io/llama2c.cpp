@@ -92,13 +92,14 @@ std::uint64_t payload_bytes(const Llama2cConfig& c, const Counts& n, const Sizes
 void check_field(const std::string& name, const char* field, std::int64_t v) {
   if (v <= 0) fail(name, std::string(field) + " must be positive, got " + std::to_string(v));
   if (v > kMaxField)
-    fail(name, std::string(field) + " = " + std::to_string(v) + " exceeds the limit " + std::to_string(kMaxField));
+    fail(name,
+         std::string(field) + " = " + std::to_string(v) + " exceeds the limit " + std::to_string(kMaxField));
 }
 
 // Reads sequentially through the weights; bounds were checked against the file length already,
 // the checks here only make a bug impossible to turn into an out-of-bounds read.
 class Cursor {
-public:
+ public:
   Cursor(std::span<const std::byte> bytes, std::size_t offset, const std::string& name)
       : bytes_(bytes), pos_(offset), name_(name) {}
   void f32(float* dst, std::uint64_t n) {
@@ -122,7 +123,7 @@ public:
   void skip(std::uint64_t bytes) { take(bytes); }
   std::size_t pos() const noexcept { return pos_; }
 
-private:
+ private:
   const std::byte* take(std::uint64_t n) {
     if (n > bytes_.size() - pos_) fail(name_, "internal size mismatch while reading the weights");
     const std::byte* p = bytes_.data() + pos_;
@@ -148,7 +149,8 @@ Llama2cConfig parse_llama2c_config(std::span<const std::byte> bytes, const std::
     if (size < 8) fail(name, "file is " + std::to_string(size) + " bytes, truncated inside the header");
     const std::int32_t version = load_i32(b + 4);
     if (version != 1 && version != 2)
-      fail(name, "unsupported version " + std::to_string(version) + " after the magic \"ak42\" (expected 1 or 2)");
+      fail(name,
+           "unsupported version " + std::to_string(version) + " after the magic \"ak42\" (expected 1 or 2)");
     c.version = version;
     header = kHeader;
     if (size < header)
@@ -180,7 +182,8 @@ Llama2cConfig parse_llama2c_config(std::span<const std::byte> bytes, const std::
   check_field(name, "vocab_size", vocab);
   check_field(name, "max_seq_len", seq);
   if (dim % heads != 0)
-    fail(name, "dim (" + std::to_string(dim) + ") is not a multiple of n_heads (" + std::to_string(heads) + ")");
+    fail(name,
+         "dim (" + std::to_string(dim) + ") is not a multiple of n_heads (" + std::to_string(heads) + ")");
   if (heads % kv_heads != 0)
     fail(name, "n_heads (" + std::to_string(heads) + ") is not a multiple of n_kv_heads (" +
                    std::to_string(kv_heads) + ")");
@@ -203,9 +206,13 @@ Llama2cConfig parse_llama2c_config(std::span<const std::byte> bytes, const std::
     if (g <= 0) fail(name, "group_size must be positive, got " + std::to_string(g));
     c.group_size = g;
     const auto gs = static_cast<std::uint64_t>(g);
-    const struct { const char* what; std::uint64_t numel; } mats[] = {
-        {"token_embedding [vocab_size, dim]", n.emb}, {"wq/wo [dim, dim]", n.wq},
-        {"wk/wv [kv_dim, dim]", n.wkv}, {"w1/w2/w3 [hidden_dim, dim]", n.w13}};
+    const struct {
+      const char* what;
+      std::uint64_t numel;
+    } mats[] = {{"token_embedding [vocab_size, dim]", n.emb},
+                {"wq/wo [dim, dim]", n.wq},
+                {"wk/wv [kv_dim, dim]", n.wkv},
+                {"w1/w2/w3 [hidden_dim, dim]", n.w13}};
     for (const auto& m : mats)
       if (m.numel % gs != 0)
         fail(name, std::string("group_size ") + std::to_string(g) + " does not divide the " +
@@ -220,7 +227,8 @@ Llama2cConfig parse_llama2c_config(std::span<const std::byte> bytes, const std::
                    (c.shared_classifier ? ", shared classifier" : ", separate classifier") +
                    (c.version == 2 ? ", group_size " + std::to_string(c.group_size) : std::string()) +
                    ") implies a version-" + std::to_string(c.version) + " file of " + std::to_string(need) +
-                   " bytes, got " + std::to_string(size) + (need > size ? " (truncated?)" : " (trailing data?)"));
+                   " bytes, got " + std::to_string(size) +
+                   (need > size ? " (truncated?)" : " (trailing data?)"));
   return c;
 }
 
@@ -281,8 +289,10 @@ Llama2cModel parse_llama2c(std::span<const std::byte> bytes, const std::string& 
     cur.f32(at(final_off), n.dim);
     const auto g = static_cast<std::uint64_t>(c.group_size);
     const auto mat = [&](std::uint64_t off, std::uint64_t numel) {
-      if (c.version == 2) cur.q80(at(off), numel, g);
-      else cur.f32(at(off), numel);
+      if (c.version == 2)
+        cur.q80(at(off), numel, g);
+      else
+        cur.f32(at(off), numel);
     };
     mat(emb_off, n.emb);
     for (auto& l : lo) mat(l.wq, n.wq);
@@ -297,7 +307,9 @@ Llama2cModel parse_llama2c(std::span<const std::byte> bytes, const std::string& 
   if (cur.pos() != bytes.size()) fail(name, "internal size mismatch after reading the weights");
 
   const std::int64_t d = c.dim, h = c.hidden_dim, kv = c.kv_dim, v = c.vocab_size;
-  const auto view = [&](std::uint64_t off, Shape shape) { return TensorView(at(off), DType::f32, std::move(shape)); };
+  const auto view = [&](std::uint64_t off, Shape shape) {
+    return TensorView(at(off), DType::f32, std::move(shape));
+  };
   Llama2cModel m;
   m.config = c;
   m.token_embedding = view(emb_off, {v, d});

@@ -21,7 +21,7 @@ MappedFile::MappedFile(const std::filesystem::path& path) {
     int fd;
     ~Closer() { ::close(fd); }
   } closer{fd};
-  struct stat st{};
+  struct stat st {};
   if (::fstat(fd, &st) != 0) throw Error(name + ": cannot stat: " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) throw Error(name + ": not a regular file");
   size_ = static_cast<std::size_t>(st.st_size);

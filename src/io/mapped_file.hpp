@@ -7,7 +7,7 @@
 namespace qkv::detail {
 
 class MappedFile {
-public:
+ public:
   /// Maps `path` read-only. @throws qkv::Error naming the file when it is missing, not a regular
   /// file, or cannot be mapped. An empty file gives an empty span.
   explicit MappedFile(const std::filesystem::path& path);
@@ -16,7 +16,7 @@ public:
   MappedFile& operator=(const MappedFile&) = delete;
   std::span<const std::byte> bytes() const noexcept { return {data_, size_}; }
 
-private:
+ private:
   const std::byte* data_ = nullptr;
   std::size_t size_ = 0;
 };

@@ -15,10 +15,10 @@ namespace qkv {
 
 struct Tokenizer::Data {
   int max_token_length = 0;
-  std::string blob;                   // all pieces, back to back
-  std::vector<std::size_t> offsets;   // piece i is blob[offsets[i], offsets[i + 1])
+  std::string blob;                  // all pieces, back to back
+  std::vector<std::size_t> offsets;  // piece i is blob[offsets[i], offsets[i + 1])
   std::vector<float> scores;
-  std::vector<int> sorted;            // ids ordered by (piece bytes, id), for binary search
+  std::vector<int> sorted;  // ids ordered by (piece bytes, id), for binary search
 
   int size() const noexcept { return static_cast<int>(scores.size()); }
   std::string_view piece(int id) const noexcept {
@@ -116,7 +116,8 @@ std::vector<int> Tokenizer::encode(std::string_view text, bool bos, bool eos) co
     const auto c = static_cast<unsigned char>(text[i]);
     if ((c & 0xC0) != 0x80) cp.clear();
     cp.push_back(static_cast<char>(c));
-    const bool next_continues = i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80;
+    const bool next_continues =
+        i + 1 < text.size() && (static_cast<unsigned char>(text[i + 1]) & 0xC0) == 0x80;
     if (next_continues && cp.size() < 4) continue;
     const int id = find(cp);
     if (id >= 0) {
@@ -201,13 +202,16 @@ std::string Tokenizer::decode(std::span<const int> tokens) const {
 }
 
 Tokenizer parse_tokenizer(std::span<const std::byte> bytes, const std::string& name, int vocab_size) {
-  if (vocab_size < 0) throw Error(name + ": vocab_size: expected >= 0 (0 = any), got " + std::to_string(vocab_size));
+  if (vocab_size < 0)
+    throw Error(name + ": vocab_size: expected >= 0 (0 = any), got " + std::to_string(vocab_size));
   const std::size_t size = bytes.size();
   const std::byte* b = bytes.data();
-  if (size < 4) fail(name, "file is " + std::to_string(size) + " bytes, shorter than the 4-byte max_token_length");
+  if (size < 4)
+    fail(name, "file is " + std::to_string(size) + " bytes, shorter than the 4-byte max_token_length");
   const auto mtl = static_cast<std::int32_t>(load_u32(b));
   if (mtl < 1 || mtl > kMaxTokenLength)
-    fail(name, "max_token_length must be in [1, " + std::to_string(kMaxTokenLength) + "], got " + std::to_string(mtl));
+    fail(name, "max_token_length must be in [1, " + std::to_string(kMaxTokenLength) + "], got " +
+                   std::to_string(mtl));
 
   auto d = std::make_shared<Tokenizer::Data>();
   d->max_token_length = mtl;
@@ -219,14 +223,15 @@ Tokenizer parse_tokenizer(std::span<const std::byte> bytes, const std::string& n
     if (i == static_cast<std::size_t>(INT_MAX)) fail(name, "more than INT_MAX pieces");
     if (size - pos < 8)
       fail(name, "truncated: piece " + std::to_string(i) + " at offset " + std::to_string(pos) +
-                     " needs 8 bytes for its score and length, the file has " + std::to_string(size - pos) + " left");
+                     " needs 8 bytes for its score and length, the file has " + std::to_string(size - pos) +
+                     " left");
     const float score = std::bit_cast<float>(load_u32(b + pos));
     const auto len = static_cast<std::int32_t>(load_u32(b + pos + 4));
     pos += 8;
     if (len < 0) fail(name, "piece " + std::to_string(i) + " has a negative length " + std::to_string(len));
     if (len > mtl)
-      fail(name, "piece " + std::to_string(i) + " has length " + std::to_string(len) + ", more than max_token_length " +
-                     std::to_string(mtl));
+      fail(name, "piece " + std::to_string(i) + " has length " + std::to_string(len) +
+                     ", more than max_token_length " + std::to_string(mtl));
     if (static_cast<std::size_t>(len) > size - pos)
       fail(name, "truncated: piece " + std::to_string(i) + " declares " + std::to_string(len) +
                      " bytes, the file has " + std::to_string(size - pos) + " left");
@@ -237,7 +242,8 @@ Tokenizer parse_tokenizer(std::span<const std::byte> bytes, const std::string& n
   }
   const int n = d->size();
   if (vocab_size > 0 && n != vocab_size)
-    fail(name, "holds " + std::to_string(n) + " pieces, the model's vocab_size is " + std::to_string(vocab_size));
+    fail(name,
+         "holds " + std::to_string(n) + " pieces, the model's vocab_size is " + std::to_string(vocab_size));
   if (n < Tokenizer::byte_offset + kBytePieces)
     fail(name, "holds " + std::to_string(n) + " pieces, fewer than the " +
                    std::to_string(Tokenizer::byte_offset + kBytePieces) +
