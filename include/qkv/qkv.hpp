@@ -9,5 +9,6 @@
 #include "qkv/npy.hpp"
 #include "qkv/reference.hpp"
 #include "qkv/rope.hpp"
+#include "qkv/safetensors.hpp"
 #include "qkv/tensor.hpp"
 #include "qkv/version.hpp"

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <string>
 
-#include "layers/convert.hpp"
+#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/convert.hpp"
+#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {

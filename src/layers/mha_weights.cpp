@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/convert.hpp"
+#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
 #include "qkv/mha.hpp"
 
