@@ -1,4 +1,4 @@
-// The qkv command: attention on files, a demo, and machine information.
+// The qkv command: attention on files, a demo, machine information, and the attention layer.
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_attend(app);
   qkv::cli::add_demo(app);
   qkv::cli::add_info(app);
+  qkv::cli::add_mha(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,119 @@
+#pragma once
+/// @file kv_cache.hpp
+/// The key/value cache of one attention layer, for incremental (autoregressive) decoding.
+///
+/// During generation the keys and values of earlier tokens do not change, so they are stored
+/// once and each new token only computes its own q, k, v (Pope et al. 2022, "Efficiently Scaling
+/// Transformer Inference", sec. 2; the "KV cache" of every decoder runtime). A model holds one
+/// KVCache per layer.
+///
+/// Storage, per layer:  K [B, Hkv, capacity, D],  V [B, Hkv, capacity, Dv], C-contiguous,
+/// dtype float32, float64, bfloat16 or float16 (appended values are rounded to it), plus a length
+/// per sequence b: positions [0, length(b)) hold data; slots at or beyond length(b) are never read.
+///
+/// Typical use (prefill of a prompt of S tokens, then one token at a time):
+///   KVCache cache(B, Hkv, max_seq_len, D);
+///   auto pos = cache.next_positions(S);           // [B,S]: length(b) + t
+///   apply_rope(q, pos, rope); apply_rope(k, pos, rope);
+///   cache.append(k, v);                            // k [B,Hkv,S,D], v [B,Hkv,S,Dv]
+///   AttentionParams p; p.causal = true;
+///   cache.attend(q, out, p);                       // q [B,Hq,S,D] -> out [B,Hq,S,Dv]
+/// Generating token by token, in chunks, or all at once gives the same outputs (tested).
+///
+/// Not thread-safe: one cache is used by one thread at a time (attend() may use a scratch buffer).
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+class KVCache {
+public:
+  KVCache() = default;
+  /// Allocates K [B, Hkv, capacity, D] and V [B, Hkv, capacity, Dv] (zeroed), every length 0.
+  /// @param dtype       storage: float32 (default), float64, bfloat16 or float16.
+  /// @param head_dim_v  Dv; 0 means Dv = D.
+  /// @throws qkv::Error for a negative size, D < 1, an unsupported dtype, or a byte size that overflows.
+  KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t capacity, std::int64_t head_dim,
+          DType dtype = DType::f32, std::int64_t head_dim_v = 0);
+
+  std::int64_t batch() const noexcept { return B_; }
+  std::int64_t num_kv_heads() const noexcept { return Hkv_; }
+  std::int64_t capacity() const noexcept { return capacity_; }
+  std::int64_t head_dim() const noexcept { return D_; }
+  std::int64_t head_dim_v() const noexcept { return Dv_; }
+  DType dtype() const noexcept { return dtype_; }
+
+  /// Number of cached positions of sequence b. @throws qkv::Error if b is out of [0, B).
+  std::int64_t length(std::int64_t b) const;
+  /// All lengths, [B].
+  std::span<const std::int64_t> lengths() const noexcept { return lengths_; }
+  /// max over b of length(b) (0 for an empty cache): Sk of the views attend() passes on.
+  std::int64_t max_length() const noexcept;
+
+  /// The whole storage, [B, Hkv, capacity, D] and [B, Hkv, capacity, Dv], writable.
+  TensorView keys() const { return k_.view(); }
+  TensorView values() const { return v_.view(); }
+  /// The first max_length() positions: [B, Hkv, max_length(), D] / [..., Dv] strided views of
+  /// the storage (no copy). Positions >= length(b) of sequence b hold stale or unwritten data.
+  TensorView active_keys() const;
+  TensorView active_values() const;
+
+  /// Positions of the next S tokens, row-major [B, S]: entry (b, t) = length(b) + t. Pass them to
+  /// apply_rope() before append() so the rotation matches the slot the token lands in.
+  /// @param counts  as in append(); when given, row b holds length(b) - (S - counts[b]) + t, i.e.
+  ///                the new tokens are right-aligned in the S rows (left padding).
+  std::vector<std::int64_t> next_positions(std::int64_t S, std::span<const std::int64_t> counts = {}) const;
+
+  /// Appends new tokens: k [B, Hkv, S, D] and v [B, Hkv, S, Dv] (float32, float64, float16 or
+  /// bfloat16; any strides with a contiguous last dimension), written at positions
+  /// length(b) .. length(b)+S-1, then length(b) += S. Works for a prefill chunk (S > 1) and a single
+  /// decode token (S = 1).
+  /// @param counts  optional [B] per-sequence counts for ragged batches: sequence b takes only its
+  ///                last counts[b] rows (rows S-counts[b] .. S-1; left padding), 0 <= counts[b] <= S.
+  /// @throws qkv::Error for mismatched shapes (B, Hkv, D, Dv, S of k vs v), a bad dtype or stride,
+  ///         bad counts, or if any sequence would exceed the capacity. On error nothing is written.
+  void append(const TensorView& k, const TensorView& v, std::span<const std::int64_t> counts = {});
+
+  /// Attention of new queries over the cache, via qkv::attention() with kv_lens = lengths() and
+  /// K/V = active_keys()/active_values() (Sk = max_length()). Bottom-right alignment: query row i
+  /// of sequence b sits at position length(b) - Sq + i, so after append() of the Sq tokens whose
+  /// queries these are, `params.causal = true` gives exactly causal attention of the full sequence.
+  /// With ragged appends, sequence b's real queries are its last counts[b] rows; earlier rows
+  /// sit at earlier positions and their outputs are to be ignored.
+  ///
+  /// @param q    [B, Hq, Sq, D], Hq % Hkv == 0 (GQA), any strides with a contiguous last dim.
+  /// @param out  [B, Hq, Sq, Dv]. softmax_lse, probs: as qkv::attention() with Sk = max_length().
+  /// @param params  causal, window, scale, softcap, mask (broadcastable to [B,Hq,Sq,max_length()]),
+  ///                kernel, num_threads; kv_lens must be empty (the cache supplies it) and align
+  ///                must be bottom_right.
+  /// If q's dtype differs from the storage dtype (e.g. float32 queries over a bfloat16 cache),
+  /// the cached positions are widened into a scratch buffer of q's dtype first.
+  /// @throws qkv::Error as qkv::attention(), or for kv_lens set / top_left alignment.
+  void attend(const TensorView& q, const TensorView& out, const AttentionParams& params = {},
+              const std::optional<TensorView>& softmax_lse = std::nullopt,
+              const std::optional<TensorView>& probs = std::nullopt);
+
+  /// Forgets every cached position (lengths to 0); the storage is kept.
+  void clear() noexcept;
+  /// Shrinks every sequence to at most `length` positions (e.g. to roll back a rejected draft).
+  /// @throws qkv::Error if length < 0.
+  void truncate(std::int64_t length);
+  /// Per-sequence form: sequence b keeps min(length(b), lengths[b]) positions.
+  /// @throws qkv::Error if lengths has other than B entries or a negative entry.
+  void truncate(std::span<const std::int64_t> lengths);
+
+private:
+  std::int64_t B_ = 0, Hkv_ = 0, capacity_ = 0, D_ = 0, Dv_ = 0;
+  DType dtype_ = DType::f32;
+  Tensor k_, v_;
+  std::vector<std::int64_t> lengths_;
+  Tensor scratch_k_, scratch_v_;  // widened copies for attend() when q's dtype differs
+};
+
+}  // namespace qkv
