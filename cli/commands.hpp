@@ -6,5 +6,6 @@
 namespace qkv::cli {
 void add_attend(CLI::App& app);
 void add_demo(CLI::App& app);
+void add_explain(CLI::App& app);
 void add_info(CLI::App& app);
 }  // namespace qkv::cli

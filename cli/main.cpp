@@ -1,4 +1,4 @@
-// The qkv command: attention on files, a demo, and machine information.
+// The qkv command: attention on files, a demo, the steps explained, and machine information.
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("qkv ") + QKV_VERSION);
   qkv::cli::add_attend(app);
   qkv::cli::add_demo(app);
+  qkv::cli::add_explain(app);
   qkv::cli::add_info(app);
   try {
     app.parse(argc, argv);

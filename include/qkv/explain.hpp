@@ -200,6 +200,8 @@ struct ScalingOptions {
   std::int64_t n_keys = 64;    ///< keys per softmax
   std::int64_t samples = 1000; ///< independent (q, k_1..k_n) draws per d_k
   std::uint64_t seed = 1;      ///< std::mt19937_64 seed; normals by Box-Muller (portable)
+  /// A row's gradient counts as vanished when ||J||_F is below this (uniform over 64 keys: 0.124).
+  double vanish_threshold = 0.01;
 };
 
 /// Sample statistics for one d_k over `samples` x `n_keys` dot products q.k_j, q and k_j with
@@ -211,9 +213,16 @@ struct ScalingRow {
   double mean_scaled = 0, var_scaled = 0;  ///< of q.k/sqrt(d_k): expected 0 and 1
   double max_weight = 0, max_weight_scaled = 0;  ///< mean largest softmax weight (1/n .. 1)
   double entropy = 0, entropy_scaled = 0;        ///< mean entropy in nats (0 .. ln n)
-  /// Mean Frobenius norm of the softmax Jacobian d alpha / d s = diag(alpha) - alpha alpha^T:
-  /// how much gradient reaches the scores (0 for one-hot, sqrt(1/n - 1/n^2) for uniform).
+  /// Frobenius norm of the softmax Jacobian d alpha / d s = diag(alpha) - alpha alpha^T, how much
+  /// gradient reaches the logits s (0 for one-hot, sqrt(1/n - 1/n^2) for uniform): the mean and
+  /// the median over samples, and the fraction of samples below options.vanish_threshold. The
+  /// mean is held up by the rows where two keys nearly tie; the median shows the typical row.
+  /// (With scaling, the chain rule adds a factor 1/sqrt(d_k) from s to q.k; not included.)
   double jacobian = 0, jacobian_scaled = 0;
+  double jacobian_median = 0, jacobian_median_scaled = 0;
+  double vanished = 0, vanished_scaled = 0;
+  /// Fraction of samples whose largest weight exceeds 0.99 (effectively one-hot).
+  double one_hot = 0, one_hot_scaled = 0;
   /// Standard error of var_dot, estimated from the per-sample means of (q.k)^2 (samples are
   /// independent; the n keys of one sample share q).
   double var_dot_stderr = 0;
@@ -230,8 +239,8 @@ double softmax_jacobian_frobenius(const double* a, std::int64_t n) noexcept;
 /// The results as a text table with the expectations beside the measurements.
 std::string format_scaling(const std::vector<ScalingRow>& rows, const ScalingOptions& options);
 
-/// The curves against d_k (score standard deviation, largest weight, entropy, Jacobian norm;
-/// unscaled and scaled) as a 2x2 panel plot, written as .png, .svg or .html by extension.
+/// The curves against d_k (score standard deviation, mean largest weight, mean entropy, median
+/// Jacobian norm; unscaled and scaled) as a 2x2 panel plot, written as .png, .svg or .html by extension.
 /// @throws qkv::Error for another extension, an empty table or an I/O failure.
 void write_scaling_plot(const std::filesystem::path& path, const std::vector<ScalingRow>& rows,
                         const ScalingOptions& options);

@@ -72,6 +72,14 @@ SoftmaxStats softmax_stats(const std::vector<double>& s, std::vector<double>& a)
   return st;
 }
 
+double median(std::vector<double> x) {
+  const std::size_t m = x.size() / 2;
+  std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(m), x.end());
+  if (x.size() % 2) return x[m];
+  const double hi = x[m];
+  return 0.5 * (hi + *std::max_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(m)));
+}
+
 std::string fmt(const char* f, double x) {
   char buf[64];
   std::snprintf(buf, sizeof buf, f, x);
@@ -106,6 +114,9 @@ std::vector<ScalingRow> scaling_study(const ScalingOptions& o) {
     std::vector<double> q(static_cast<std::size_t>(d)), s(static_cast<std::size_t>(o.n_keys)),
         ss(static_cast<std::size_t>(o.n_keys)), a(static_cast<std::size_t>(o.n_keys));
     Moments dot, scaled, sq_means;
+    std::vector<double> jac_u, jac_s;
+    jac_u.reserve(static_cast<std::size_t>(o.samples));
+    jac_s.reserve(static_cast<std::size_t>(o.samples));
     ScalingRow r;
     r.d_k = d;
     for (std::int64_t n = 0; n < o.samples; ++n) {
@@ -128,7 +139,17 @@ std::vector<ScalingRow> scaling_study(const ScalingOptions& o) {
       r.max_weight_scaled += c.max_weight;
       r.entropy_scaled += c.entropy;
       r.jacobian_scaled += c.jacobian;
+      jac_u.push_back(u.jacobian);
+      jac_s.push_back(c.jacobian);
+      r.vanished += u.jacobian < o.vanish_threshold;
+      r.vanished_scaled += c.jacobian < o.vanish_threshold;
+      r.one_hot += u.max_weight > 0.99;
+      r.one_hot_scaled += c.max_weight > 0.99;
     }
+    r.jacobian_median = median(jac_u);
+    r.jacobian_median_scaled = median(jac_s);
+    r.vanished /= static_cast<double>(o.samples); r.vanished_scaled /= static_cast<double>(o.samples);
+    r.one_hot /= static_cast<double>(o.samples); r.one_hot_scaled /= static_cast<double>(o.samples);
     const double ns = static_cast<double>(o.samples);
     r.max_weight /= ns; r.entropy /= ns; r.jacobian /= ns;
     r.max_weight_scaled /= ns; r.entropy_scaled /= ns; r.jacobian_scaled /= ns;
@@ -163,32 +184,61 @@ std::string format_scaling(const std::vector<ScalingRow>& rows, const ScalingOpt
     t += buf;
   }
   std::snprintf(buf, sizeof buf,
-                "\nsoftmax over %lld keys (means over samples): largest weight (uniform %.4f, one-hot 1), entropy in nats\n"
-                "(uniform ln %lld = %.4f, one-hot 0), Frobenius norm of the Jacobian diag(a) - a a^T (uniform %.4f, "
-                "one-hot 0)\n",
-                static_cast<long long>(o.n_keys), 1.0 / n, static_cast<long long>(o.n_keys), ln_n, j_uniform);
+                "\nsoftmax over %lld keys: largest weight (mean over samples; uniform %.4f, one-hot 1), fraction of samples\n"
+                "effectively one-hot (largest weight > 0.99), entropy in nats (mean; uniform ln %lld = %.4f, one-hot 0)\n",
+                static_cast<long long>(o.n_keys), 1.0 / n, static_cast<long long>(o.n_keys), ln_n);
   t += buf;
-  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %11s %11s\n", "d_k", "max w", "max w scl", "entropy",
-                "entr. scl", "||J||_F", "||J||_F scl");
+  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %10s %10s\n", "d_k", "max w", "max w scl", "one-hot",
+                "1-hot scl", "entropy", "entr. scl");
   t += buf;
   for (const auto& r : rows) {
-    std::snprintf(buf, sizeof buf, "%6lld | %10.4f %10.4f | %10.4f %10.4f | %11.4g %11.4g\n", static_cast<long long>(r.d_k),
-                  r.max_weight, r.max_weight_scaled, r.entropy, r.entropy_scaled, r.jacobian, r.jacobian_scaled);
+    std::snprintf(buf, sizeof buf, "%6lld | %10.4f %10.4f | %9.1f%% %9.1f%% | %10.4f %10.4f\n", static_cast<long long>(r.d_k),
+                  r.max_weight, r.max_weight_scaled, 100 * r.one_hot, 100 * r.one_hot_scaled, r.entropy, r.entropy_scaled);
     t += buf;
   }
-  // The conclusion, read off the measured row for d_k = 64 (or the largest d_k measured).
+  std::snprintf(buf, sizeof buf,
+                "\ngradient reaching the logits: Frobenius norm ||J||_F of the softmax Jacobian diag(a) - a a^T (uniform %.4f,\n"
+                "one-hot 0): mean and median over samples, and the fraction of samples with ||J||_F < %g (vanished)\n",
+                j_uniform, o.vanish_threshold);
+  t += buf;
+  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %10s %10s\n", "d_k", "mean", "mean scl", "median",
+                "median scl", "vanished", "vanish scl");
+  t += buf;
+  for (const auto& r : rows) {
+    std::snprintf(buf, sizeof buf, "%6lld | %10.4g %10.4g | %10.4g %10.4g | %9.1f%% %9.1f%%\n", static_cast<long long>(r.d_k),
+                  r.jacobian, r.jacobian_scaled, r.jacobian_median, r.jacobian_median_scaled, 100 * r.vanished,
+                  100 * r.vanished_scaled);
+    t += buf;
+  }
+  // The reading, from the measured row for d_k = 64 (or the largest d_k measured).
   const ScalingRow* r = &rows.back();
   for (const auto& x : rows)
     if (x.d_k == 64) r = &x;
   std::snprintf(buf, sizeof buf,
-                "\nAt d_k = %lld, unscaled scores have standard deviation %.3f (sqrt(d_k) = %.3f): the softmax puts on "
-                "average %.3f of the weight on one key\n(entropy %.3f of %.3f nats) and the Jacobian norm is %.4g, %.1fx "
-                "smaller than with scaling (%.4g): the scores receive little gradient.\nScaled by 1/sqrt(d_k), the "
-                "variance is %.4f (expected 1) and the largest weight %.3f.\n",
+                "\nAt d_k = %lld: unscaled scores have standard deviation %.3f (sqrt(d_k) = %.3f). The softmax leans towards\n"
+                "one key: largest weight %.3f on average (%.3f scaled), %.1f%% of rows effectively one-hot (%.1f%% scaled),\n"
+                "entropy %.3f of %.3f nats (%.3f scaled); in %.1f%% of rows ||J||_F < %g, the scores get almost no gradient\n"
+                "(%.1f%% scaled); median ||J||_F %.4g (%.4g scaled). Scaled by 1/sqrt(d_k), the variance is %.4f (expected 1).\n",
                 static_cast<long long>(r->d_k), std::sqrt(r->var_dot), std::sqrt(static_cast<double>(r->d_k)), r->max_weight,
-                r->entropy, ln_n, r->jacobian, r->jacobian > 0 ? r->jacobian_scaled / r->jacobian : INFINITY,
-                r->jacobian_scaled, r->var_scaled, r->max_weight_scaled);
+                r->max_weight_scaled, 100 * r->one_hot, 100 * r->one_hot_scaled, r->entropy, ln_n, r->entropy_scaled,
+                100 * r->vanished, o.vanish_threshold, 100 * r->vanished_scaled, r->jacobian_median, r->jacobian_median_scaled,
+                r->var_scaled);
   t += buf;
+  t += "Rows with vanished gradient (||J||_F < " + fmt("%g", o.vanish_threshold) + "), unscaled:";
+  for (const auto& x : rows) {
+    t += " d_k ";
+    t += std::to_string(x.d_k);
+    t += ' ';
+    t += fmt("%.1f%%", 100 * x.vanished);
+    if (&x != &rows.back()) t += ',';
+  }
+  t += "; scaled:";
+  for (const auto& x : rows) {
+    t += ' ';
+    t += fmt("%.1f%%", 100 * x.vanished_scaled);
+    if (&x != &rows.back()) t += ',';
+  }
+  t += ".\n";
   return t;
 }
 
@@ -215,7 +265,7 @@ constexpr int kTitleH = 28, kLegendH = 26;
 std::vector<Panel> make_panels(const std::vector<ScalingRow>& rows, const ScalingOptions& o) {
   Series su{"unscaled q.k", kUnscaled, {}}, sc{"scaled q.k/sqrt(d_k)", kScaled, {}};
   Panel p1{"standard deviation of the scores", {}, 0, 0}, p2{"mean largest softmax weight", {}, 0, 1},
-      p3{"mean entropy of the weights (nats)", {}, 0, 0}, p4{"mean ||diag(a) - a a^T||_F", {}, 0, 0};
+      p3{"mean entropy of the weights (nats)", {}, 0, 0}, p4{"median ||diag(a) - a a^T||_F", {}, 0, 0};
   Series e1{"expected sqrt(d_k), 1", kExpected, {}, true}, e3{"uniform: ln n", kExpected, {}, true};
   Series u1 = su, c1 = sc, u2 = su, c2 = sc, u3 = su, c3 = sc, u4 = su, c4 = sc;
   Series e4{"uniform: sqrt(1/n - 1/n^2)", kExpected, {}, true};
@@ -225,7 +275,7 @@ std::vector<Panel> make_panels(const std::vector<ScalingRow>& rows, const Scalin
     e1.y.push_back(std::sqrt(static_cast<double>(r.d_k)));
     u2.y.push_back(r.max_weight); c2.y.push_back(r.max_weight_scaled);
     u3.y.push_back(r.entropy); c3.y.push_back(r.entropy_scaled); e3.y.push_back(std::log(n));
-    u4.y.push_back(r.jacobian); c4.y.push_back(r.jacobian_scaled); e4.y.push_back(std::sqrt(1 / n - 1 / (n * n)));
+    u4.y.push_back(r.jacobian_median); c4.y.push_back(r.jacobian_median_scaled); e4.y.push_back(std::sqrt(1 / n - 1 / (n * n)));
   }
   p1.series = {e1, u1, c1};
   p2.series = {u2, c2};
@@ -238,7 +288,11 @@ std::vector<Panel> make_panels(const std::vector<ScalingRow>& rows, const Scalin
     for (const auto& s : p.series)
       for (const double y : s.y)
         if (std::isfinite(y)) mx = std::max(mx, y);
-    p.ymax = mx > 0 ? mx * 1.1 : 1;
+    // Round up so that the four tick intervals are 1, 2, 2.5 or 5 times a power of ten.
+    if (!(mx > 0)) { p.ymax = 1; continue; }
+    const double unit = std::pow(10.0, std::floor(std::log10(mx / 4)));
+    for (const double m : {1.0, 2.0, 2.5, 5.0, 10.0})
+      if (4 * m * unit >= mx * 1.02) { p.ymax = 4 * m * unit; break; }
   }
   return ps;
 }
