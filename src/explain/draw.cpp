@@ -96,8 +96,15 @@ int text_width(const std::string& s) {
 
 std::string ascii_label(const std::string& s, std::size_t max_chars) {
   std::string a;
-  for (const char ch : s) {
+  for (std::size_t k = 0; k < s.size(); ++k) {
+    const char ch = s[k];
     const auto u = static_cast<unsigned char>(ch);
+    // SentencePiece marks a word start with U+2581 (bytes E2 96 81): show it as '_'.
+    if (s.compare(k, 3, "\xe2\x96\x81") == 0) {
+      a += '_';
+      k += 2;
+      continue;
+    }
     // A UTF-8 sequence becomes one '?': skip its continuation bytes.
     if ((u & 0xC0) == 0x80) continue;
     a += (u >= 32 && u < 127) ? ch : '?';

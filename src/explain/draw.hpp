@@ -41,7 +41,7 @@ private:
 
 /// Width in pixels of `s` at scale 1 (non-ASCII bytes count as '?').
 int text_width(const std::string& s);
-/// `s` with bytes outside printable ASCII replaced by '?', cut to `max_chars` (with "..").
+/// `s` with bytes outside printable ASCII replaced by '?' (U+2581 by '_'), cut to `max_chars` (with "..").
 std::string ascii_label(const std::string& s, std::size_t max_chars = 14);
 /// XML text escaping (&, <, >, ", ').
 std::string xml_escape(const std::string& s);
