@@ -1,6 +1,8 @@
 // `qkv explain`: the steps of attention on given Q/K/V (or X and W^Q, W^K, W^V), printed per
 // query row with token labels, written as .npy arrays and heatmaps; and `--scaling`, the
 // measured argument for the 1/sqrt(d_k) scale.
+#include "qkv/explain.hpp"
+
 #include <cinttypes>
 #include <cstdio>
 #include <filesystem>
@@ -11,7 +13,6 @@
 
 #include "commands.hpp"
 #include "qkv/error.hpp"
-#include "qkv/explain.hpp"
 #include "qkv/npy.hpp"
 
 namespace qkv::cli {
@@ -79,8 +80,8 @@ std::vector<std::string> read_labels(const ExplainOptions& o) {
 
 void check_index(const std::optional<std::int64_t>& x, std::int64_t n, const char* flag, const char* axis) {
   if (x && (*x < 0 || *x >= n))
-    throw Error(std::string(flag) + ": expected an index in [0, " + axis + ") = [0, " + std::to_string(n) + "), got " +
-                std::to_string(*x));
+    throw Error(std::string(flag) + ": expected an index in [0, " + axis + ") = [0, " + std::to_string(n) +
+                "), got " + std::to_string(*x));
 }
 
 void run_scaling(const ExplainOptions& o) {
@@ -103,9 +104,15 @@ void run_explain(const ExplainOptions& o) {
   if (!from_x && !from_qkv)
     throw Error("--q: expected inputs: --q/--k/--v, or --x/--wq/--wk/--wv, or --scaling");
   if (from_qkv && (o.q.empty() || o.k.empty() || o.v.empty()))
-    throw Error(std::string(o.q.empty() ? "--q" : o.k.empty() ? "--k" : "--v") + ": required with the other two of --q/--k/--v");
+    throw Error(std::string(o.q.empty()   ? "--q"
+                            : o.k.empty() ? "--k"
+                                          : "--v") +
+                ": required with the other two of --q/--k/--v");
   if (from_x && (o.x.empty() || o.wq.empty() || o.wk.empty() || o.wv.empty()))
-    throw Error(std::string(o.x.empty() ? "--x" : o.wq.empty() ? "--wq" : o.wk.empty() ? "--wk" : "--wv") +
+    throw Error(std::string(o.x.empty()    ? "--x"
+                            : o.wq.empty() ? "--wq"
+                            : o.wk.empty() ? "--wk"
+                                           : "--wv") +
                 ": required with the others of --x/--wq/--wk/--wv");
 
   // Inputs as BHSD views.
@@ -114,7 +121,9 @@ void run_explain(const ExplainOptions& o) {
   TensorView q, k, v;
   const bool bshd = from_qkv && o.layout == "bshd";
   if (from_qkv) {
-    qa = read("--q", o.q); ka = read("--k", o.k); va = read("--v", o.v);
+    qa = read("--q", o.q);
+    ka = read("--k", o.k);
+    va = read("--v", o.v);
     for (const auto& [a, f] : {std::pair{&qa, "--q"}, std::pair{&ka, "--k"}, std::pair{&va, "--v"}})
       if (a->shape().size() != 4)
         throw Error(std::string(f) + ": expected a 4-D array, got shape " + shape_str(a->shape()));
@@ -122,9 +131,12 @@ void run_explain(const ExplainOptions& o) {
     k = bshd ? ka.view().permute({0, 2, 1, 3}) : ka.view();
     v = bshd ? va.view().permute({0, 2, 1, 3}) : va.view();
   } else {
-    const NpyArray xa = read("--x", o.x), wqa = read("--wq", o.wq), wka = read("--wk", o.wk), wva = read("--wv", o.wv);
+    const NpyArray xa = read("--x", o.x), wqa = read("--wq", o.wq), wka = read("--wk", o.wk),
+                   wva = read("--wv", o.wv);
     proj = explain::project_qkv(xa.view(), wqa.view(), wka.view(), wva.view(), o.heads);
-    q = proj.q.view(); k = proj.k.view(); v = proj.v.view();
+    q = proj.q.view();
+    k = proj.k.view();
+    v = proj.v.view();
   }
 
   AttentionParams p;
@@ -134,14 +146,21 @@ void run_explain(const ExplainOptions& o) {
   p.align = o.align == "top-left" ? Alignment::top_left : Alignment::bottom_right;
   if (!o.window.empty()) std::tie(p.window_left, p.window_right) = parse_window(o.window);
   NpyArray mask, lens;
-  if (!o.mask.empty()) { mask = read("--mask", o.mask); p.mask = mask.view(); }
-  if (!o.kv_lens.empty()) { lens = read("--kv-lens", o.kv_lens); p.kv_lens = lens.view(); }
+  if (!o.mask.empty()) {
+    mask = read("--mask", o.mask);
+    p.mask = mask.view();
+  }
+  if (!o.kv_lens.empty()) {
+    lens = read("--kv-lens", o.kv_lens);
+    p.kv_lens = lens.view();
+  }
 
   const explain::Trace t = explain::trace_attention(q, k, v, p);
   const std::vector<std::string> labels = read_labels(o);
   if (!labels.empty() && static_cast<std::int64_t>(labels.size()) != t.Sk)
-    throw Error(std::string(o.labels.empty() ? "--labels-file" : "--labels") + ": expected one label per key, Sk = " +
-                std::to_string(t.Sk) + ", got " + std::to_string(labels.size()));
+    throw Error(std::string(o.labels.empty() ? "--labels-file" : "--labels") +
+                ": expected one label per key, Sk = " + std::to_string(t.Sk) + ", got " +
+                std::to_string(labels.size()));
   check_index(o.query, t.Sq, "--query", "Sq");
   check_index(o.head, t.Hq, "--head", "Hq");
   check_index(o.batch, t.B, "--batch", "B");
@@ -164,9 +183,10 @@ void run_explain(const ExplainOptions& o) {
     std::filesystem::create_directories(dir, ec);
     if (ec) throw Error("--out-dir: cannot create '" + o.out_dir + "': " + ec.message());
     const TensorView out = bshd ? t.output_view().permute({0, 2, 1, 3}) : t.output_view();
-    std::vector<std::pair<std::string, TensorView>> files = {
-        {"scores.npy", t.scores_view()}, {"scaled.npy", t.scaled_view()},
-        {"weights.npy", t.weights_view()}, {"output.npy", out}};
+    std::vector<std::pair<std::string, TensorView>> files = {{"scores.npy", t.scores_view()},
+                                                             {"scaled.npy", t.scaled_view()},
+                                                             {"weights.npy", t.weights_view()},
+                                                             {"output.npy", out}};
     if (from_x) {
       files.emplace_back("q.npy", q);
       files.emplace_back("k.npy", k);
@@ -186,8 +206,8 @@ void run_explain(const ExplainOptions& o) {
     guarded(path, [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
   }
 
-  std::printf("qkv explain: B %" PRId64 ", Hq %" PRId64 ", Hkv %" PRId64 ", Sq %" PRId64 ", Sk %" PRId64 ", D %" PRId64
-              ", Dv %" PRId64 "%s\n",
+  std::printf("qkv explain: B %" PRId64 ", Hq %" PRId64 ", Hkv %" PRId64 ", Sq %" PRId64 ", Sk %" PRId64
+              ", D %" PRId64 ", Dv %" PRId64 "%s\n",
               t.B, t.Hq, t.Hkv, t.Sq, t.Sk, t.D, t.Dv, from_x ? " (q, k, v = x W^Q, x W^K, x W^V)" : "");
   std::printf("scale %.6g%s", t.scale, o.scale ? "" : " (1/sqrt(D))");
   if (t.softcap > 0) std::printf(", softcap %.6g", t.softcap);
@@ -196,9 +216,10 @@ void run_explain(const ExplainOptions& o) {
                 t.align == Alignment::bottom_right ? "bottom-right" : "top-left");
   if (t.has_mask) std::printf(", %s mask", t.additive_mask ? "additive" : "bool");
   if (p.kv_lens) std::printf(", kv_lens");
-  std::printf("\nsteps: 1. q.k = q_i . k_j   2. x scale = scale * q.k%s%s   3. masks: excluded keys get -inf\n"
-              "       4. weight = softmax over the row of the logits   5. z_i = sum_j weight_j v_j\n\n",
-              t.softcap > 0 ? ", softcap = c*tanh(s/c)" : "", t.additive_mask ? ", + mask" : "");
+  std::printf(
+      "\nsteps: 1. q.k = q_i . k_j   2. x scale = scale * q.k%s%s   3. masks: excluded keys get -inf\n"
+      "       4. weight = softmax over the row of the logits   5. z_i = sum_j weight_j v_j\n\n",
+      t.softcap > 0 ? ", softcap = c*tanh(s/c)" : "", t.additive_mask ? ", + mask" : "");
   for (std::int64_t b = 0; b < t.B; ++b) {
     if (o.batch && b != *o.batch) continue;
     for (std::int64_t h = 0; h < t.Hq; ++h) {
@@ -218,21 +239,27 @@ void run_explain(const ExplainOptions& o) {
 void add_explain(CLI::App& app) {
   auto o = std::make_shared<ExplainOptions>();
   auto* cmd = app.add_subcommand(
-      "explain", "The steps of attention made visible: scores, scaling, masks, weights, output; heatmaps; --scaling");
+      "explain",
+      "The steps of attention made visible: scores, scaling, masks, weights, output; heatmaps; --scaling");
   cmd->add_option("--q", o->q, "queries, [B,Hq,Sq,D] (bhsd) or [B,Sq,Hq,D] (bshd)");
   cmd->add_option("--k", o->k, "keys, [B,Hkv,Sk,D] or [B,Sk,Hkv,D]");
   cmd->add_option("--v", o->v, "values, [B,Hkv,Sk,Dv] or [B,Sk,Hkv,Dv]");
-  cmd->add_option("--x", o->x, "token vectors, [S,d_model] or [B,S,d_model]: q = x W^Q, k = x W^K, v = x W^V");
+  cmd->add_option("--x", o->x,
+                  "token vectors, [S,d_model] or [B,S,d_model]: q = x W^Q, k = x W^K, v = x W^V");
   cmd->add_option("--wq", o->wq, "W^Q, [d_model, H*d_k] (row-vector convention: q = x W^Q)");
   cmd->add_option("--wk", o->wk, "W^K, [d_model, H*d_k]");
   cmd->add_option("--wv", o->wv, "W^V, [d_model, H*d_v]");
-  cmd->add_option("--heads", o->heads, "with --x: number of heads H (column blocks of W)")->check(CLI::PositiveNumber);
-  cmd->add_option("--layout", o->layout, "axis order of --q, --k, --v and output.npy")->check(CLI::IsMember({"bhsd", "bshd"}));
+  cmd->add_option("--heads", o->heads, "with --x: number of heads H (column blocks of W)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--layout", o->layout, "axis order of --q, --k, --v and output.npy")
+      ->check(CLI::IsMember({"bhsd", "bshd"}));
   cmd->add_option("--scale", o->scale, "score scale (default 1/sqrt(D))");
   cmd->add_flag("--causal", o->causal, "causal mask: window (-1, 0)");
-  cmd->add_option("--align", o->align, "diagonal alignment when Sq != Sk")->check(CLI::IsMember({"bottom-right", "top-left"}));
+  cmd->add_option("--align", o->align, "diagonal alignment when Sq != Sk")
+      ->check(CLI::IsMember({"bottom-right", "top-left"}));
   cmd->add_option("--window", o->window, "sliding window LEFT,RIGHT (-1 = unbounded)");
-  cmd->add_option("--mask", o->mask, "bool (true = attend) or additive float mask, broadcastable to [B,Hq,Sq,Sk]");
+  cmd->add_option("--mask", o->mask,
+                  "bool (true = attend) or additive float mask, broadcastable to [B,Hq,Sq,Sk]");
   cmd->add_option("--kv-lens", o->kv_lens, "int32/int64 [B] key lengths");
   cmd->add_option("--softcap", o->softcap, "softcap c > 0: score = c*tanh(score/c)");
   cmd->add_option("--query", o->query, "print only query row i (default: all rows)");
@@ -244,7 +271,8 @@ void add_explain(CLI::App& app) {
   cmd->add_option("--out-dir", o->out_dir,
                   "write scores.npy, scaled.npy, weights.npy [B,Hq,Sq,Sk] (float64, excluded: -inf / 0) and "
                   "output.npy (float64, in the input layout); with --x also q.npy, k.npy, v.npy (bhsd)");
-  cmd->add_option("--heatmap", o->heatmaps, "attention-weight heatmap(s) of all heads: FILE.png, .svg or .html");
+  cmd->add_option("--heatmap", o->heatmaps,
+                  "attention-weight heatmap(s) of all heads: FILE.png, .svg or .html");
   cmd->add_flag("--scaling", o->scaling, "measure the scaling argument on random N(0,1) vectors");
   cmd->add_option("--d-k", o->d_k, "with --scaling: head dimensions to measure")->delimiter(',');
   cmd->add_option("--samples", o->samples, "with --scaling: samples per d_k")->check(CLI::PositiveNumber);

@@ -1,20 +1,19 @@
 // qkv::explain: the step trace against the float64 reference and the fast path, the q/k/v
 // projection, the heatmap images decoded back, and the scaling figures within sampling error.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
-#include <optional>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <unistd.h>
 
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
@@ -62,14 +61,58 @@ std::vector<Case> cases() {
     c.push_back(x);
   }
   Case x;
-  x.name = "causal bottom-right Sq<Sk"; x.causal = true; x.Sq = 3; x.Sk = 7; c.push_back(x);
-  x = {}; x.name = "causal top-left Sq>Sk"; x.causal = true; x.align = Alignment::top_left; x.Sq = 7; x.Sk = 3; c.push_back(x);
-  x = {}; x.name = "window 2,1 GQA 4:1"; x.wl = 2; x.wr = 1; x.Hkv = 1; x.Sq = 9; x.Sk = 9; c.push_back(x);
-  x = {}; x.name = "softcap scale"; x.softcap = 1.5; x.scale = 0.9; x.Hkv = 4; c.push_back(x);
-  x = {}; x.name = "bool mask causal"; x.mask = 1; x.causal = true; c.push_back(x);
-  x = {}; x.name = "additive mask softcap"; x.mask = 2; x.softcap = 2.0; x.dtype = DType::f64; c.push_back(x);
-  x = {}; x.name = "kv_lens causal decode"; x.kv_lens = true; x.causal = true; x.Sq = 1; x.Sk = 9; c.push_back(x);
-  x = {}; x.name = "kv_lens window"; x.kv_lens = true; x.wl = 1; x.wr = 0; x.Sq = 4; x.Sk = 6; c.push_back(x);
+  x.name = "causal bottom-right Sq<Sk";
+  x.causal = true;
+  x.Sq = 3;
+  x.Sk = 7;
+  c.push_back(x);
+  x = {};
+  x.name = "causal top-left Sq>Sk";
+  x.causal = true;
+  x.align = Alignment::top_left;
+  x.Sq = 7;
+  x.Sk = 3;
+  c.push_back(x);
+  x = {};
+  x.name = "window 2,1 GQA 4:1";
+  x.wl = 2;
+  x.wr = 1;
+  x.Hkv = 1;
+  x.Sq = 9;
+  x.Sk = 9;
+  c.push_back(x);
+  x = {};
+  x.name = "softcap scale";
+  x.softcap = 1.5;
+  x.scale = 0.9;
+  x.Hkv = 4;
+  c.push_back(x);
+  x = {};
+  x.name = "bool mask causal";
+  x.mask = 1;
+  x.causal = true;
+  c.push_back(x);
+  x = {};
+  x.name = "additive mask softcap";
+  x.mask = 2;
+  x.softcap = 2.0;
+  x.dtype = DType::f64;
+  c.push_back(x);
+  x = {};
+  x.name = "kv_lens causal decode";
+  x.kv_lens = true;
+  x.causal = true;
+  x.Sq = 1;
+  x.Sk = 9;
+  c.push_back(x);
+  x = {};
+  x.name = "kv_lens window";
+  x.kv_lens = true;
+  x.wl = 1;
+  x.wr = 0;
+  x.Sq = 4;
+  x.Sk = 6;
+  c.push_back(x);
   return c;
 }
 
@@ -135,7 +178,8 @@ TEST(ExplainTrace, MatchesReferenceAndFastPath) {
             // Steps 1 and 2 recomputed here from the inputs.
             double dot = 0;
             for (std::int64_t x = 0; x < c.D; ++x)
-              dot += at(q, ((b * c.Hq + h) * c.Sq + i) * c.D + x) * at(k, ((b * c.Hkv + h / group) * c.Sk + j) * c.D + x);
+              dot += at(q, ((b * c.Hq + h) * c.Sq + i) * c.D + x) *
+                     at(k, ((b * c.Hkv + h / group) * c.Sk + j) * c.D + x);
             EXPECT_NEAR(t.scores[e], dot, 1e-12);
             double s = scale * dot;
             if (c.softcap > 0) s = c.softcap * std::tanh(s / c.softcap);
@@ -152,7 +196,8 @@ TEST(ExplainTrace, MatchesReferenceAndFastPath) {
             EXPECT_NEAR(sum, 1.0, 1e-14);
             // Step 3 again: softmax of the logits gives the weights.
             double z = 0;
-            for (std::int64_t j = 0; j < c.Sk; ++j) z += std::exp(t.scaled[static_cast<std::size_t>(t.at(b, h, i, j))] - row_max);
+            for (std::int64_t j = 0; j < c.Sk; ++j)
+              z += std::exp(t.scaled[static_cast<std::size_t>(t.at(b, h, i, j))] - row_max);
             for (std::int64_t j = 0; j < c.Sk; ++j) {
               const auto e = static_cast<std::size_t>(t.at(b, h, i, j));
               EXPECT_NEAR(t.weights[e], std::exp(t.scaled[e] - row_max) / z, 1e-15);
@@ -170,7 +215,8 @@ TEST(ExplainTrace, MatchesReferenceAndFastPath) {
 
 TEST(ExplainTrace, StatusNamesWhyAKeyIsExcluded) {
   std::mt19937_64 rng(3);
-  const Tensor q = random_tensor(DType::f32, {1, 1, 4, 4}, rng), k = random_tensor(DType::f32, {1, 1, 4, 4}, rng),
+  const Tensor q = random_tensor(DType::f32, {1, 1, 4, 4}, rng),
+               k = random_tensor(DType::f32, {1, 1, 4, 4}, rng),
                v = random_tensor(DType::f32, {1, 1, 4, 4}, rng);
   Tensor mask(DType::b8, {4});
   for (int j = 0; j < 4; ++j) mask.data_as<std::uint8_t>()[j] = j != 0;
@@ -207,13 +253,15 @@ TEST(ExplainTrace, NanInExcludedKeyDoesNotLeak) {
   p.causal = true;
   const explain::Trace t = explain::trace_attention(q, k, v, p);
   for (std::int64_t i = 0; i < 2; ++i)
-    for (std::int64_t x = 0; x < 4; ++x) EXPECT_TRUE(std::isfinite(t.output[static_cast<std::size_t>(i * 4 + x)]));
+    for (std::int64_t x = 0; x < 4; ++x)
+      EXPECT_TRUE(std::isfinite(t.output[static_cast<std::size_t>(i * 4 + x)]));
   EXPECT_TRUE(std::isnan(t.output[8]));
 }
 
 TEST(ExplainTrace, TopKeysQueryLabelsAndRowText) {
   std::mt19937_64 rng(11);
-  const Tensor q = random_tensor(DType::f64, {1, 2, 3, 4}, rng), k = random_tensor(DType::f64, {1, 1, 5, 4}, rng),
+  const Tensor q = random_tensor(DType::f64, {1, 2, 3, 4}, rng),
+               k = random_tensor(DType::f64, {1, 1, 5, 4}, rng),
                v = random_tensor(DType::f64, {1, 1, 5, 3}, rng);
   AttentionParams p;
   p.causal = true;  // bottom-right: query i sits at key i + 2
@@ -222,7 +270,8 @@ TEST(ExplainTrace, TopKeysQueryLabelsAndRowText) {
   ASSERT_EQ(top.size(), 4u);  // keys 0..3 admitted
   for (std::size_t a = 1; a < top.size(); ++a) EXPECT_GE(top[a - 1].weight, top[a].weight);
   double best = 0;
-  for (std::int64_t j = 0; j < 5; ++j) best = std::max(best, t.weights[static_cast<std::size_t>(t.at(0, 1, 1, j))]);
+  for (std::int64_t j = 0; j < 5; ++j)
+    best = std::max(best, t.weights[static_cast<std::size_t>(t.at(0, 1, 1, j))]);
   EXPECT_EQ(top[0].weight, best);
   EXPECT_EQ(explain::top_keys(t, 0, 1, 1, 2).size(), 2u);
   const std::vector<std::string> labels{"the", "cat", "sat", "on", "mat"};
@@ -230,8 +279,8 @@ TEST(ExplainTrace, TopKeysQueryLabelsAndRowText) {
   const std::string row = explain::format_row(t, 0, 1, 1, labels, 2);
   char w[32];
   std::snprintf(w, sizeof w, "%.6g", top[0].weight);
-  EXPECT_NE(row.find(std::string("most weight: ") + std::to_string(top[0].key) + " \"" + labels[static_cast<std::size_t>(top[0].key)] +
-                     "\" (" + w + ")"),
+  EXPECT_NE(row.find(std::string("most weight: ") + std::to_string(top[0].key) + " \"" +
+                     labels[static_cast<std::size_t>(top[0].key)] + "\" (" + w + ")"),
             std::string::npos)
       << row;
   EXPECT_NE(row.find("sum of weights = 1;"), std::string::npos) << row;
@@ -243,13 +292,17 @@ TEST(ExplainTrace, TopKeysQueryLabelsAndRowText) {
 
 TEST(ExplainTrace, RejectsBadArguments) {
   std::mt19937_64 rng(1);
-  const Tensor q = random_tensor(DType::f32, {1, 1, 3, 4}, rng), k = random_tensor(DType::f32, {1, 1, 3, 5}, rng),
-               v = random_tensor(DType::f32, {1, 1, 3, 4}, rng), q3 = random_tensor(DType::f32, {1, 3, 4}, rng);
+  const Tensor q = random_tensor(DType::f32, {1, 1, 3, 4}, rng),
+               k = random_tensor(DType::f32, {1, 1, 3, 5}, rng),
+               v = random_tensor(DType::f32, {1, 1, 3, 4}, rng),
+               q3 = random_tensor(DType::f32, {1, 3, 4}, rng);
   try {
     explain::trace_attention(q, k, v);
     FAIL() << "expected qkv::Error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("k: expected [B,Hkv,Sk,D] with D == q.D (4), got D = 5"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("k: expected [B,Hkv,Sk,D] with D == q.D (4), got D = 5"),
+              std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(explain::trace_attention(q3, q, v), Error);
   // Too many entries: refused before allocating.
@@ -260,8 +313,10 @@ TEST(ExplainTrace, RejectsBadArguments) {
 TEST(ExplainProject, MatchesNaiveProduct) {
   std::mt19937_64 rng(2);
   const std::int64_t B = 2, S = 5, dm = 6, H = 2, dk = 3, dv = 4;
-  const Tensor x = random_tensor(DType::f32, {B, S, dm}, rng), wq = random_tensor(DType::f32, {dm, H * dk}, rng),
-               wk = random_tensor(DType::f32, {dm, H * dk}, rng), wv = random_tensor(DType::f32, {dm, H * dv}, rng);
+  const Tensor x = random_tensor(DType::f32, {B, S, dm}, rng),
+               wq = random_tensor(DType::f32, {dm, H * dk}, rng),
+               wk = random_tensor(DType::f32, {dm, H * dk}, rng),
+               wv = random_tensor(DType::f32, {dm, H * dv}, rng);
   const explain::Projected p = explain::project_qkv(x, wq, wk, wv, H);
   ASSERT_EQ(p.q.shape(), (Shape{B, H, S, dk}));
   ASSERT_EQ(p.v.shape(), (Shape{B, H, S, dv}));
@@ -279,23 +334,26 @@ TEST(ExplainProject, MatchesNaiveProduct) {
         }
         for (std::int64_t c = 0; c < dv; ++c) {
           double ev = 0;
-          for (std::int64_t m = 0; m < dm; ++m) ev += at(x, (b * S + s) * dm + m) * at(wv, m * H * dv + h * dv + c);
+          for (std::int64_t m = 0; m < dm; ++m)
+            ev += at(x, (b * S + s) * dm + m) * at(wv, m * H * dv + h * dv + c);
           EXPECT_NEAR(at(p.v, ((b * H + h) * S + s) * dv + c), ev, 1e-12);
         }
       }
   // [S, d_model] input gives B = 1.
   const Tensor x2 = random_tensor(DType::f64, {S, dm}, rng);
   EXPECT_EQ(explain::project_qkv(x2, wq, wk, wv, 1).q.shape(), (Shape{1, 1, S, H * dk}));
-  EXPECT_THROW(explain::project_qkv(x2, wq, wk, wv, 4), Error);               // 6 columns, 4 heads
-  EXPECT_THROW(explain::project_qkv(x2, wv, wk, wv, 1), Error);               // wq, wk columns differ
-  EXPECT_THROW(explain::project_qkv(random_tensor(DType::f32, {S, dm - 1}, rng), wq, wk, wv), Error);  // d_model
-  EXPECT_THROW(explain::project_qkv(random_tensor(DType::i32, {S, dm}, rng), wq, wk, wv), Error);      // dtype
+  EXPECT_THROW(explain::project_qkv(x2, wq, wk, wv, 4), Error);  // 6 columns, 4 heads
+  EXPECT_THROW(explain::project_qkv(x2, wv, wk, wv, 1), Error);  // wq, wk columns differ
+  EXPECT_THROW(explain::project_qkv(random_tensor(DType::f32, {S, dm - 1}, rng), wq, wk, wv),
+               Error);                                                                             // d_model
+  EXPECT_THROW(explain::project_qkv(random_tensor(DType::i32, {S, dm}, rng), wq, wk, wv), Error);  // dtype
 }
 
 // ---- images ------------------------------------------------------------------------------------
 
 std::filesystem::path temp_path(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / ("qkv_test_explain_" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("qkv_test_explain_" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   return dir / name;
 }
@@ -384,7 +442,7 @@ TEST(ExplainHeatmap, SvgAndHtmlHoldTextAndCells) {
   EXPECT_NE(svg.find(">q&lt;1&gt;</text>"), std::string::npos);
   EXPECT_NE(svg.find(">q&amp;2</text>"), std::string::npos);
   EXPECT_NE(svg.find(">k&quot;a</text>"), std::string::npos);
-  EXPECT_NE(svg.find(">\xe2\x96\x81once</text>"), std::string::npos);  // UTF-8 kept as text
+  EXPECT_NE(svg.find(">\xe2\x96\x81once</text>"), std::string::npos);                 // UTF-8 kept as text
   EXPECT_NE(svg.find("fill=\"" + std::string("#fde725") + "\""), std::string::npos);  // the weight-1 cell
   EXPECT_EQ(count(svg, "class=\"tick\""), 5u);
   const auto html = temp_path("h.html"), svgp = temp_path("h.svg");
@@ -420,7 +478,8 @@ TEST(ExplainScaling, JacobianNormClosedFormMatchesMatrix) {
   std::vector<double> onehot(8, 0.0), uniform(64, 1.0 / 64);
   onehot[3] = 1.0;
   EXPECT_EQ(explain::softmax_jacobian_frobenius(onehot.data(), 8), 0.0);
-  EXPECT_NEAR(explain::softmax_jacobian_frobenius(uniform.data(), 64), std::sqrt(1.0 / 64 - 1.0 / 4096), 1e-15);
+  EXPECT_NEAR(explain::softmax_jacobian_frobenius(uniform.data(), 64), std::sqrt(1.0 / 64 - 1.0 / 4096),
+              1e-15);
 }
 
 TEST(ExplainScaling, FiguresWithinSamplingError) {
@@ -451,9 +510,9 @@ TEST(ExplainScaling, FiguresWithinSamplingError) {
   }
   const auto& r64 = rows[1];
   EXPECT_NEAR(std::sqrt(r64.var_dot), 8.0, 0.4);
-  EXPECT_GT(r64.max_weight, 0.7);        // towards one-hot
-  EXPECT_LT(r64.entropy, 1.0);           // of ln 64 = 4.16
-  EXPECT_GT(r64.vanished, 0.08);         // rows whose scores get almost no gradient
+  EXPECT_GT(r64.max_weight, 0.7);  // towards one-hot
+  EXPECT_LT(r64.entropy, 1.0);     // of ln 64 = 4.16
+  EXPECT_GT(r64.vanished, 0.08);   // rows whose scores get almost no gradient
   EXPECT_GT(r64.one_hot, 0.08);
   const auto& r256 = rows[2];
   EXPECT_LT(r256.jacobian_median, 0.25 * r256.jacobian_median_scaled);

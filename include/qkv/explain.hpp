@@ -57,12 +57,12 @@ const char* key_status_name(KeyStatus s) noexcept;
 /// Every intermediate of one attention call, float64, C-contiguous row-major arrays.
 struct Trace {
   std::int64_t B = 0, Hq = 0, Hkv = 0, Sq = 0, Sk = 0, D = 0, Dv = 0;
-  double scale = 1.0;    ///< the scale actually used (default 1/sqrt(D))
-  double softcap = 0.0;  ///< 0 = off
+  double scale = 1.0;      ///< the scale actually used (default 1/sqrt(D))
+  double softcap = 0.0;    ///< 0 = off
   EffectiveWindow window;  ///< effective (left, right); -1 = unbounded
   Alignment align = Alignment::bottom_right;
-  bool has_mask = false;          ///< an explicit mask was given
-  bool additive_mask = false;     ///< ... and it is a float (additive) mask
+  bool has_mask = false;              ///< an explicit mask was given
+  bool additive_mask = false;         ///< ... and it is a float (additive) mask
   std::vector<std::int64_t> kv_lens;  ///< [B]; Sk for each batch when not given
 
   std::vector<double> scores;     ///< [B,Hq,Sq,Sk] q_i.k_j; -inf where excluded
@@ -143,8 +143,8 @@ struct Projected {
 /// Any float dtype (converted to float64; products by BLAS dgemm).
 /// @throws qkv::Error naming the argument for a wrong rank, a d_model mismatch, num_heads < 1 or
 ///   a column count not divisible by num_heads, or differing columns of wq and wk.
-Projected project_qkv(const TensorView& x, const TensorView& wq, const TensorView& wk,
-                      const TensorView& wv, std::int64_t num_heads = 1);
+Projected project_qkv(const TensorView& x, const TensorView& wq, const TensorView& wk, const TensorView& wv,
+                      std::int64_t num_heads = 1);
 
 // ---- heatmaps ----------------------------------------------------------------------------------
 
@@ -159,12 +159,12 @@ struct Image {
 std::array<std::uint8_t, 3> viridis(double t) noexcept;
 
 struct HeatmapOptions {
-  std::string title;               ///< above the grid; empty = none
+  std::string title;                      ///< above the grid; empty = none
   std::vector<std::string> panel_titles;  ///< one per head; empty = "head 0", "head 1", ...
-  double vmin = 0.0;               ///< colour scale bounds; vmax <= vmin means the data's max
+  double vmin = 0.0;                      ///< colour scale bounds; vmax <= vmin means the data's max
   double vmax = -1.0;
-  int cell_px = 0;                 ///< PNG cell size in pixels; 0 = chosen from Sq, Sk (4..32)
-  int columns = 0;                 ///< panels per grid row; 0 = ceil(sqrt(H))
+  int cell_px = 0;  ///< PNG cell size in pixels; 0 = chosen from Sq, Sk (4..32)
+  int columns = 0;  ///< panels per grid row; 0 = ceil(sqrt(H))
 };
 
 /// Renders weights [H, Sq, Sk] (or [Sq, Sk]; any float dtype, any strides) as a grid of H
@@ -184,8 +184,8 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
 /// atomically (a temporary file renamed on success).
 /// @throws qkv::Error for another extension or an I/O failure, and as render_heatmap().
 void write_heatmap(const std::filesystem::path& path, const TensorView& weights,
-                   const std::vector<std::string>& row_labels,
-                   const std::vector<std::string>& col_labels, const HeatmapOptions& options = {});
+                   const std::vector<std::string>& row_labels, const std::vector<std::string>& col_labels,
+                   const HeatmapOptions& options = {});
 
 /// Encodes an image as PNG bytes (stb_image_write).
 std::vector<std::uint8_t> encode_png(const Image& image);
@@ -197,9 +197,9 @@ void write_file_atomic(const std::filesystem::path& path, const void* data, std:
 
 struct ScalingOptions {
   std::vector<std::int64_t> d_k = {4, 16, 64, 256, 1024};
-  std::int64_t n_keys = 64;    ///< keys per softmax
-  std::int64_t samples = 1000; ///< independent (q, k_1..k_n) draws per d_k
-  std::uint64_t seed = 1;      ///< std::mt19937_64 seed; normals by Box-Muller (portable)
+  std::int64_t n_keys = 64;     ///< keys per softmax
+  std::int64_t samples = 1000;  ///< independent (q, k_1..k_n) draws per d_k
+  std::uint64_t seed = 1;       ///< std::mt19937_64 seed; normals by Box-Muller (portable)
   /// A row's gradient counts as vanished when ||J||_F is below this (uniform over 64 keys: 0.124).
   double vanish_threshold = 0.01;
 };
@@ -209,8 +209,8 @@ struct ScalingOptions {
 /// value, for the unscaled scores s_j = q.k_j and the scaled scores s_j / sqrt(d_k).
 struct ScalingRow {
   std::int64_t d_k = 0;
-  double mean_dot = 0, var_dot = 0;        ///< of q.k: expected 0 and d_k
-  double mean_scaled = 0, var_scaled = 0;  ///< of q.k/sqrt(d_k): expected 0 and 1
+  double mean_dot = 0, var_dot = 0;              ///< of q.k: expected 0 and d_k
+  double mean_scaled = 0, var_scaled = 0;        ///< of q.k/sqrt(d_k): expected 0 and 1
   double max_weight = 0, max_weight_scaled = 0;  ///< mean largest softmax weight (1/n .. 1)
   double entropy = 0, entropy_scaled = 0;        ///< mean entropy in nats (0 .. ln n)
   /// Frobenius norm of the softmax Jacobian d alpha / d s = diag(alpha) - alpha alpha^T, how much

@@ -1,12 +1,13 @@
 // Raster/SVG drawing helpers and file output for qkv::explain (see draw.hpp).
 #include "explain/draw.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <system_error>
-#include <unistd.h>
 
 #include "qkv/error.hpp"
 
@@ -22,18 +23,26 @@ namespace detail {
 
 Canvas::Canvas(int width, int height, Rgb background) : w_(width), h_(height) {
   if (width <= 0 || height <= 0 || static_cast<std::int64_t>(width) * height > (std::int64_t{1} << 28))
-    throw Error("image: expected 1 .. 2^28 pixels, got " + std::to_string(width) + " x " + std::to_string(height));
+    throw Error("image: expected 1 .. 2^28 pixels, got " + std::to_string(width) + " x " +
+                std::to_string(height));
   px_.resize(static_cast<std::size_t>(width) * static_cast<std::size_t>(height) * 3);
-  for (std::size_t p = 0; p < px_.size(); p += 3) std::copy(background.begin(), background.end(), px_.begin() + static_cast<std::ptrdiff_t>(p));
+  for (std::size_t p = 0; p < px_.size(); p += 3)
+    std::copy(background.begin(), background.end(), px_.begin() + static_cast<std::ptrdiff_t>(p));
 }
 
 void Canvas::fill(int x0, int y0, int x1, int y1, Rgb c) {
-  x0 = std::max(x0, 0); y0 = std::max(y0, 0);
-  x1 = std::min(x1, w_); y1 = std::min(y1, h_);
+  x0 = std::max(x0, 0);
+  y0 = std::max(y0, 0);
+  x1 = std::min(x1, w_);
+  y1 = std::min(y1, h_);
   for (int y = y0; y < y1; ++y)
     for (int x = x0; x < x1; ++x) {
-      auto* p = &px_[(static_cast<std::size_t>(y) * static_cast<std::size_t>(w_) + static_cast<std::size_t>(x)) * 3];
-      p[0] = c[0]; p[1] = c[1]; p[2] = c[2];
+      auto* p =
+          &px_[(static_cast<std::size_t>(y) * static_cast<std::size_t>(w_) + static_cast<std::size_t>(x)) *
+               3];
+      p[0] = c[0];
+      p[1] = c[1];
+      p[2] = c[2];
     }
 }
 
@@ -44,7 +53,8 @@ void Canvas::line(double x0, double y0, double x1, double y1, Rgb c, int thickne
   const int r0 = -(thickness - 1) / 2, r1 = thickness / 2 + 1;
   for (int s = 0; s <= steps; ++s) {
     const double t = static_cast<double>(s) / steps;
-    const int x = static_cast<int>(std::lround(x0 + t * (x1 - x0))), y = static_cast<int>(std::lround(y0 + t * (y1 - y0)));
+    const int x = static_cast<int>(std::lround(x0 + t * (x1 - x0))),
+              y = static_cast<int>(std::lround(y0 + t * (y1 - y0)));
     fill(x + r0, y + r0, x + r1, y + r1, c);
   }
 }
@@ -67,8 +77,8 @@ std::vector<std::array<float, 4>> glyph_quads(const std::string& s) {
 
 int Canvas::text(int x, int y, const std::string& s, Rgb c, int scale) {
   for (const auto& q : glyph_quads(s))
-    fill(x + static_cast<int>(q[0]) * scale, y + static_cast<int>(q[1]) * scale, x + static_cast<int>(q[2]) * scale,
-         y + static_cast<int>(q[3]) * scale, c);
+    fill(x + static_cast<int>(q[0]) * scale, y + static_cast<int>(q[1]) * scale,
+         x + static_cast<int>(q[2]) * scale, y + static_cast<int>(q[3]) * scale, c);
   return text_width(s) * scale;
 }
 
@@ -117,15 +127,27 @@ std::string xml_escape(const std::string& s) {
   std::string o;
   for (const char ch : s) {
     switch (ch) {
-      case '&': o += "&amp;"; break;
-      case '<': o += "&lt;"; break;
-      case '>': o += "&gt;"; break;
-      case '"': o += "&quot;"; break;
-      case '\'': o += "&apos;"; break;
+      case '&':
+        o += "&amp;";
+        break;
+      case '<':
+        o += "&lt;";
+        break;
+      case '>':
+        o += "&gt;";
+        break;
+      case '"':
+        o += "&quot;";
+        break;
+      case '\'':
+        o += "&apos;";
+        break;
       default:
         // Control characters are not allowed in XML 1.0.
-        if (static_cast<unsigned char>(ch) < 32 && ch != '\t' && ch != '\n') o += ' ';
-        else o += ch;
+        if (static_cast<unsigned char>(ch) < 32 && ch != '\t' && ch != '\n')
+          o += ' ';
+        else
+          o += ch;
     }
   }
   return o;
@@ -145,14 +167,17 @@ std::string tick_label(double x) {
 
 std::string extension_of(const std::filesystem::path& p) {
   std::string e = p.extension().string();
-  std::transform(e.begin(), e.end(), e.begin(), [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  std::transform(e.begin(), e.end(), e.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
   return e;
 }
 
 std::string html_page(const std::string& title, const std::string& svg) {
-  return "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>" + xml_escape(title) +
-         "</title>\n<style>body{font-family:sans-serif;margin:16px;background:#fff}</style>\n</head>\n<body>\n" + svg +
-         "\n</body>\n</html>\n";
+  return "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>" +
+         xml_escape(title) +
+         "</title>\n<style>body{font-family:sans-serif;margin:16px;background:#fff}</style>\n</"
+         "head>\n<body>\n" +
+         svg + "\n</body>\n</html>\n";
 }
 
 }  // namespace detail
@@ -160,8 +185,8 @@ std::string html_page(const std::string& title, const std::string& svg) {
 std::vector<std::uint8_t> encode_png(const Image& image) {
   if (image.width <= 0 || image.height <= 0 ||
       image.rgb.size() != static_cast<std::size_t>(image.width) * static_cast<std::size_t>(image.height) * 3)
-    throw Error("image: expected width x height x 3 bytes, got " + std::to_string(image.rgb.size()) + " for " +
-                std::to_string(image.width) + " x " + std::to_string(image.height));
+    throw Error("image: expected width x height x 3 bytes, got " + std::to_string(image.rgb.size()) +
+                " for " + std::to_string(image.width) + " x " + std::to_string(image.height));
   std::vector<std::uint8_t> out;
   auto sink = [](void* ctx, void* data, int size) {
     auto* v = static_cast<std::vector<std::uint8_t>*>(ctx);

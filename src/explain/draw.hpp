@@ -18,7 +18,7 @@ inline constexpr Rgb kWhite{255, 255, 255}, kBlack{0, 0, 0}, kGrey{128, 128, 128
 inline constexpr int kFontHeight = 8;
 
 class Canvas {
-public:
+ public:
   /// @throws qkv::Error above 2^28 pixels.
   Canvas(int width, int height, Rgb background = kWhite);
   int width() const noexcept { return w_; }
@@ -34,7 +34,7 @@ public:
   void text_up(int x, int y_bottom, const std::string& s, Rgb c, int scale = 1);
   Image take() &&;
 
-private:
+ private:
   int w_, h_;
   std::vector<std::uint8_t> px_;
 };

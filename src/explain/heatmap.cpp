@@ -43,10 +43,12 @@ Grid load_grid(const TensorView& weights) {
   g.Sq = weights.size(weights.rank() - 2);
   g.Sk = weights.size(weights.rank() - 1);
   if (g.H < 1 || g.Sq < 1 || g.Sk < 1)
-    throw Error("weights: expected at least one head, query and key, got shape " + shape_str(weights.shape()));
+    throw Error("weights: expected at least one head, query and key, got shape " +
+                shape_str(weights.shape()));
   checked_numel(weights.shape(), 8, "weights");
   if (g.H * g.Sq * g.Sk > kMaxTraceEntries)
-    throw Error("weights: expected at most " + s(kMaxTraceEntries) + " entries, got shape " + shape_str(weights.shape()));
+    throw Error("weights: expected at most " + s(kMaxTraceEntries) + " entries, got shape " +
+                shape_str(weights.shape()));
   const Tensor c = to_contiguous(weights, DType::f64);
   g.w.assign(c.data_as<const double>(), c.data_as<const double>() + c.numel());
   return g;
@@ -72,7 +74,9 @@ struct Layout {
   int width = 0, height = 0;
   double vmin = 0, vmax = 1;
   int panel_x(std::int64_t h) const { return margin + static_cast<int>(h % cols) * (panel_w + gap); }
-  int panel_y(std::int64_t h) const { return margin + title_h + static_cast<int>(h / cols) * (panel_h + gap); }
+  int panel_y(std::int64_t h) const {
+    return margin + title_h + static_cast<int>(h / cols) * (panel_h + gap);
+  }
   // Top-left of the cells of panel h.
   int cells_x(std::int64_t h) const { return panel_x(h) + row_label_w; }
   int cells_y(std::int64_t h) const { return panel_y(h) + panel_title_h + col_label_h; }
@@ -97,7 +101,8 @@ Layout make_layout(const Grid& g, const std::vector<std::string>& rl, const std:
   L.col_label_h = wc + 6;
   L.panel_w = L.row_label_w + static_cast<int>(g.Sk) * L.cell;
   L.panel_h = L.panel_title_h + L.col_label_h + static_cast<int>(g.Sq) * L.cell;
-  L.cols = o.columns > 0 ? o.columns : static_cast<int>(std::ceil(std::sqrt(static_cast<double>(g.H)) - 1e-9));
+  L.cols =
+      o.columns > 0 ? o.columns : static_cast<int>(std::ceil(std::sqrt(static_cast<double>(g.H)) - 1e-9));
   L.cols = static_cast<int>(std::clamp<std::int64_t>(L.cols, 1, g.H));
   L.rows = static_cast<int>((g.H + L.cols - 1) / L.cols);
   L.title_h = o.title.empty() ? 16 : 16 + 2 * detail::kFontHeight + 6;
@@ -116,12 +121,15 @@ Layout make_layout(const Grid& g, const std::vector<std::string>& rl, const std:
   L.bar_y = L.margin + L.title_h + L.panel_title_h + L.col_label_h;
   L.bar_h = std::max(100, static_cast<int>(g.Sq) * L.cell);
   for (int t = 0; t <= 4; ++t)
-    L.bar_label_w = std::max(L.bar_label_w, detail::text_width(detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4)));
+    L.bar_label_w =
+        std::max(L.bar_label_w, detail::text_width(detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4)));
   L.bar_label_w = std::max(L.bar_label_w + 8, detail::text_width("weight"));
   const std::int64_t W = L.bar_x + L.bar_w + 6 + L.bar_label_w + L.margin;
-  const std::int64_t Hh = std::max<std::int64_t>(L.margin + L.title_h + grid_h, L.bar_y + L.bar_h + 8) + L.margin;
+  const std::int64_t Hh =
+      std::max<std::int64_t>(L.margin + L.title_h + grid_h, L.bar_y + L.bar_h + 8) + L.margin;
   if (W * Hh > (std::int64_t{1} << 28))
-    throw Error("weights: the heatmap would be " + s(W) + " x " + s(Hh) + " pixels, more than 2^28; use a smaller cell_px");
+    throw Error("weights: the heatmap would be " + s(W) + " x " + s(Hh) +
+                " pixels, more than 2^28; use a smaller cell_px");
   L.width = static_cast<int>(W);
   L.height = static_cast<int>(Hh);
   return L;
@@ -133,7 +141,8 @@ Rgb colour(const Layout& L, double x) {
 }
 
 std::string panel_title(const HeatmapOptions& o, std::int64_t h) {
-  return h < static_cast<std::int64_t>(o.panel_titles.size()) ? o.panel_titles[static_cast<std::size_t>(h)] : "head " + s(h);
+  return h < static_cast<std::int64_t>(o.panel_titles.size()) ? o.panel_titles[static_cast<std::size_t>(h)]
+                                                              : "head " + s(h);
 }
 
 constexpr const char* kCaption = "rows: queries i, columns: keys j, colour: weight alpha_ij";
@@ -172,11 +181,13 @@ Image render_heatmap(const TensorView& weights, const std::vector<std::string>& 
     for (std::int64_t i = 0; i < g.Sq; ++i)
       for (std::int64_t j = 0; j < g.Sk; ++j)
         c.fill(x0 + static_cast<int>(j) * L.cell, y0 + static_cast<int>(i) * L.cell,
-               x0 + static_cast<int>(j + 1) * L.cell, y0 + static_cast<int>(i + 1) * L.cell, colour(L, g.at(h, i, j)));
+               x0 + static_cast<int>(j + 1) * L.cell, y0 + static_cast<int>(i + 1) * L.cell,
+               colour(L, g.at(h, i, j)));
     // Row labels right-aligned against the cells, centred on their row.
     for (std::int64_t i = 0; i < g.Sq; i += L.label_step) {
       const std::string t = detail::ascii_label(label_at(row_labels, i), kLabelChars);
-      c.text(x0 - 4 - detail::text_width(t), y0 + static_cast<int>(i) * L.cell + (L.cell - 7) / 2, t, detail::kBlack);
+      c.text(x0 - 4 - detail::text_width(t), y0 + static_cast<int>(i) * L.cell + (L.cell - 7) / 2, t,
+             detail::kBlack);
     }
     // Column labels read upwards, ending just above the cells.
     for (std::int64_t j = 0; j < g.Sk; j += L.label_step) {
@@ -193,7 +204,8 @@ Image render_heatmap(const TensorView& weights, const std::vector<std::string>& 
   for (int t = 0; t <= 4; ++t) {
     const int y = L.bar_y + static_cast<int>(std::lround((L.bar_h - 1) * (1.0 - t / 4.0)));
     c.fill(L.bar_x + L.bar_w, y, L.bar_x + L.bar_w + 4, y + 1, detail::kBlack);
-    c.text(L.bar_x + L.bar_w + 6, y - 3, detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4.0), detail::kBlack);
+    c.text(L.bar_x + L.bar_w + 6, y - 3, detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4.0),
+           detail::kBlack);
   }
   return std::move(c).take();
 }
@@ -208,28 +220,31 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
   std::string out;
   out.reserve(static_cast<std::size_t>(g.H * g.Sq * g.Sk) * 96 + 4096);
   out += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + s(L.width) + "\" height=\"" + s(L.height) +
-         "\" viewBox=\"0 0 " + s(L.width) + " " + s(L.height) + "\" font-family=\"monospace\" font-size=\"10\">\n";
+         "\" viewBox=\"0 0 " + s(L.width) + " " + s(L.height) +
+         "\" font-family=\"monospace\" font-size=\"10\">\n";
   out += "<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n";
   out += "<defs><linearGradient id=\"viridis\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">";
   for (int t = 0; t <= 20; ++t)
-    out += "<stop offset=\"" + detail::tick_label(t / 20.0) + "\" stop-color=\"" + detail::hex(viridis(t / 20.0)) + "\"/>";
+    out += "<stop offset=\"" + detail::tick_label(t / 20.0) + "\" stop-color=\"" +
+           detail::hex(viridis(t / 20.0)) + "\"/>";
   out += "</linearGradient></defs>\n";
   int cap_y = L.margin + 10;
   if (!o.title.empty()) {
-    out += "<text x=\"" + s(L.margin) + "\" y=\"" + s(L.margin + 14) + "\" font-size=\"16\" font-family=\"sans-serif\">" +
-           xml_escape(o.title) + "</text>\n";
+    out += "<text x=\"" + s(L.margin) + "\" y=\"" + s(L.margin + 14) +
+           "\" font-size=\"16\" font-family=\"sans-serif\">" + xml_escape(o.title) + "</text>\n";
     cap_y = L.margin + 2 * detail::kFontHeight + 4 + 9;
   }
   out += "<text x=\"" + s(L.margin) + "\" y=\"" + s(cap_y) + "\" fill=\"#808080\">" + kCaption + "</text>\n";
   char buf[160];
   for (std::int64_t h = 0; h < g.H; ++h) {
     const int x0 = L.cells_x(h), y0 = L.cells_y(h);
-    out += "<g class=\"panel\" id=\"head" + s(h) + "\">\n<text x=\"" + s(L.panel_x(h)) + "\" y=\"" + s(L.panel_y(h) + 9) +
-           "\">" + xml_escape(panel_title(o, h)) + "</text>\n";
+    out += "<g class=\"panel\" id=\"head" + s(h) + "\">\n<text x=\"" + s(L.panel_x(h)) + "\" y=\"" +
+           s(L.panel_y(h) + 9) + "\">" + xml_escape(panel_title(o, h)) + "</text>\n";
     for (std::int64_t i = 0; i < g.Sq; ++i)
       for (std::int64_t j = 0; j < g.Sk; ++j) {
         const double w = g.at(h, i, j);
-        std::snprintf(buf, sizeof buf, "<rect class=\"cell\" x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"%s\">",
+        std::snprintf(buf, sizeof buf,
+                      "<rect class=\"cell\" x=\"%d\" y=\"%d\" width=\"%d\" height=\"%d\" fill=\"%s\">",
                       x0 + static_cast<int>(j) * L.cell, y0 + static_cast<int>(i) * L.cell, L.cell, L.cell,
                       detail::hex(colour(L, w)).c_str());
         out += buf;
@@ -238,23 +253,25 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
                xml_escape(label_at(col_labels, j)) + ": " + buf + "</title></rect>\n";
       }
     for (std::int64_t i = 0; i < g.Sq; i += L.label_step)
-      out += "<text class=\"row-label\" x=\"" + s(x0 - 4) + "\" y=\"" + s(y0 + static_cast<int>(i) * L.cell + L.cell / 2 + 3) +
-             "\" text-anchor=\"end\">" + xml_escape(label_at(row_labels, i)) + "</text>\n";
+      out += "<text class=\"row-label\" x=\"" + s(x0 - 4) + "\" y=\"" +
+             s(y0 + static_cast<int>(i) * L.cell + L.cell / 2 + 3) + "\" text-anchor=\"end\">" +
+             xml_escape(label_at(row_labels, i)) + "</text>\n";
     for (std::int64_t j = 0; j < g.Sk; j += L.label_step) {
       const int x = x0 + static_cast<int>(j) * L.cell + L.cell / 2 + 3, y = y0 - 4;
-      out += "<text class=\"col-label\" x=\"" + s(x) + "\" y=\"" + s(y) + "\" transform=\"rotate(-90 " + s(x) + " " + s(y) +
-             ")\">" + xml_escape(label_at(col_labels, j)) + "</text>\n";
+      out += "<text class=\"col-label\" x=\"" + s(x) + "\" y=\"" + s(y) + "\" transform=\"rotate(-90 " +
+             s(x) + " " + s(y) + ")\">" + xml_escape(label_at(col_labels, j)) + "</text>\n";
     }
     out += "</g>\n";
   }
   out += "<text x=\"" + s(L.bar_x) + "\" y=\"" + s(L.bar_y - 6) + "\">weight</text>\n";
-  out += "<rect class=\"colorbar\" x=\"" + s(L.bar_x) + "\" y=\"" + s(L.bar_y) + "\" width=\"" + s(L.bar_w) + "\" height=\"" +
-         s(L.bar_h) + "\" fill=\"url(#viridis)\"/>\n";
+  out += "<rect class=\"colorbar\" x=\"" + s(L.bar_x) + "\" y=\"" + s(L.bar_y) + "\" width=\"" + s(L.bar_w) +
+         "\" height=\"" + s(L.bar_h) + "\" fill=\"url(#viridis)\"/>\n";
   for (int t = 0; t <= 4; ++t) {
     const int y = L.bar_y + static_cast<int>(std::lround((L.bar_h - 1) * (1.0 - t / 4.0)));
-    out += "<line x1=\"" + s(L.bar_x + L.bar_w) + "\" y1=\"" + s(y) + "\" x2=\"" + s(L.bar_x + L.bar_w + 4) + "\" y2=\"" + s(y) +
-           "\" stroke=\"#000\"/><text class=\"tick\" x=\"" + s(L.bar_x + L.bar_w + 6) + "\" y=\"" + s(y + 3) + "\">" +
-           detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4.0) + "</text>\n";
+    out += "<line x1=\"" + s(L.bar_x + L.bar_w) + "\" y1=\"" + s(y) + "\" x2=\"" + s(L.bar_x + L.bar_w + 4) +
+           "\" y2=\"" + s(y) + "\" stroke=\"#000\"/><text class=\"tick\" x=\"" + s(L.bar_x + L.bar_w + 6) +
+           "\" y=\"" + s(y + 3) + "\">" + detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4.0) +
+           "</text>\n";
   }
   out += "</svg>\n";
   return out;
@@ -268,11 +285,12 @@ void write_heatmap(const std::filesystem::path& path, const TensorView& weights,
     const auto png = encode_png(render_heatmap(weights, row_labels, col_labels, o));
     write_file_atomic(path, png.data(), png.size());
   } else if (ext == ".svg") {
-    const std::string svg = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + heatmap_svg(weights, row_labels, col_labels, o);
+    const std::string svg =
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + heatmap_svg(weights, row_labels, col_labels, o);
     write_file_atomic(path, svg.data(), svg.size());
   } else if (ext == ".html" || ext == ".htm") {
-    const std::string page =
-        detail::html_page(o.title.empty() ? "attention weights" : o.title, heatmap_svg(weights, row_labels, col_labels, o));
+    const std::string page = detail::html_page(o.title.empty() ? "attention weights" : o.title,
+                                               heatmap_svg(weights, row_labels, col_labels, o));
     write_file_atomic(path, page.data(), page.size());
   } else {
     throw Error("heatmap: expected a file name ending in .png, .svg or .html, got '" + path.string() + "'");

@@ -43,8 +43,8 @@ Tensor project(const Tensor& x, std::int64_t B, std::int64_t S, const TensorView
 
 }  // namespace
 
-Projected project_qkv(const TensorView& x, const TensorView& wq, const TensorView& wk,
-                      const TensorView& wv, std::int64_t num_heads) {
+Projected project_qkv(const TensorView& x, const TensorView& wq, const TensorView& wk, const TensorView& wv,
+                      std::int64_t num_heads) {
   if (x.rank() != 2 && x.rank() != 3)
     throw Error("x: expected [S,d_model] or [B,S,d_model], got shape " + shape_str(x.shape()));
   need_float(x, "x");

@@ -23,10 +23,13 @@ namespace {
 using detail::Rgb;
 
 class Normal {
-public:
+ public:
   explicit Normal(std::uint64_t seed) : gen_(seed) {}
   double operator()() {
-    if (have_) { have_ = false; return spare_; }
+    if (have_) {
+      have_ = false;
+      return spare_;
+    }
     // u1 in (0, 1] so that log(u1) is finite; u2 in [0, 1).
     const double u1 = (static_cast<double>(gen_() >> 11) + 1.0) * 0x1.0p-53;
     const double u2 = static_cast<double>(gen_() >> 11) * 0x1.0p-53;
@@ -36,7 +39,7 @@ public:
     return r * std::cos(a);
   }
 
-private:
+ private:
   std::mt19937_64 gen_;
   double spare_ = 0.0;
   bool have_ = false;
@@ -105,7 +108,8 @@ std::vector<ScalingRow> scaling_study(const ScalingOptions& o) {
   for (const auto d : o.d_k)
     if (d < 1 || d > (1 << 20)) throw Error("d_k: expected values in [1, 2^20], got " + std::to_string(d));
   if (o.samples * o.n_keys > (std::int64_t{1} << 32))
-    throw Error("samples: expected samples * n_keys <= 2^32, got " + std::to_string(o.samples) + " * " + std::to_string(o.n_keys));
+    throw Error("samples: expected samples * n_keys <= 2^32, got " + std::to_string(o.samples) + " * " +
+                std::to_string(o.n_keys));
   std::vector<ScalingRow> rows;
   for (const std::int64_t d : o.d_k) {
     // Each d_k draws from its own stream so that adding a d_k leaves the others unchanged.
@@ -148,11 +152,17 @@ std::vector<ScalingRow> scaling_study(const ScalingOptions& o) {
     }
     r.jacobian_median = median(jac_u);
     r.jacobian_median_scaled = median(jac_s);
-    r.vanished /= static_cast<double>(o.samples); r.vanished_scaled /= static_cast<double>(o.samples);
-    r.one_hot /= static_cast<double>(o.samples); r.one_hot_scaled /= static_cast<double>(o.samples);
+    r.vanished /= static_cast<double>(o.samples);
+    r.vanished_scaled /= static_cast<double>(o.samples);
+    r.one_hot /= static_cast<double>(o.samples);
+    r.one_hot_scaled /= static_cast<double>(o.samples);
     const double ns = static_cast<double>(o.samples);
-    r.max_weight /= ns; r.entropy /= ns; r.jacobian /= ns;
-    r.max_weight_scaled /= ns; r.entropy_scaled /= ns; r.jacobian_scaled /= ns;
+    r.max_weight /= ns;
+    r.entropy /= ns;
+    r.jacobian /= ns;
+    r.max_weight_scaled /= ns;
+    r.entropy_scaled /= ns;
+    r.jacobian_scaled /= ns;
     r.mean_dot = dot.mean;
     r.var_dot = dot.var();
     r.mean_scaled = scaled.mean;
@@ -168,46 +178,53 @@ std::string format_scaling(const std::vector<ScalingRow>& rows, const ScalingOpt
   const double j_uniform = std::sqrt(1.0 / n - 1.0 / (n * n));
   std::string t;
   char buf[512];
-  std::snprintf(buf, sizeof buf,
-                "The scaling argument, measured: q, k with independent N(0,1) entries, %lld samples x %lld keys per d_k "
-                "(seed %llu).\nscore s = q.k (unscaled) or q.k/sqrt(d_k) (scaled); softmax over n = %lld keys.\n\n",
-                static_cast<long long>(o.samples), static_cast<long long>(o.n_keys),
-                static_cast<unsigned long long>(o.seed), static_cast<long long>(o.n_keys));
+  std::snprintf(
+      buf, sizeof buf,
+      "The scaling argument, measured: q, k with independent N(0,1) entries, %lld samples x %lld keys per "
+      "d_k "
+      "(seed %llu).\nscore s = q.k (unscaled) or q.k/sqrt(d_k) (scaled); softmax over n = %lld keys.\n\n",
+      static_cast<long long>(o.samples), static_cast<long long>(o.n_keys),
+      static_cast<unsigned long long>(o.seed), static_cast<long long>(o.n_keys));
   t += buf;
-  std::snprintf(buf, sizeof buf, "%6s | %9s %10s %10s %8s | %9s %8s | %8s %8s\n", "d_k", "mean q.k", "var q.k",
-                "(expect)", "std q.k", "mean scl", "var scl", "std scl", "(expect)");
+  std::snprintf(buf, sizeof buf, "%6s | %9s %10s %10s %8s | %9s %8s | %8s %8s\n", "d_k", "mean q.k",
+                "var q.k", "(expect)", "std q.k", "mean scl", "var scl", "std scl", "(expect)");
   t += buf;
   for (const auto& r : rows) {
     std::snprintf(buf, sizeof buf, "%6lld | %9.4f %10.4g %10lld %8.4f | %9.5f %8.5f | %8.5f %8d\n",
-                  static_cast<long long>(r.d_k), r.mean_dot, r.var_dot, static_cast<long long>(r.d_k), std::sqrt(r.var_dot),
-                  r.mean_scaled, r.var_scaled, std::sqrt(r.var_scaled), 1);
+                  static_cast<long long>(r.d_k), r.mean_dot, r.var_dot, static_cast<long long>(r.d_k),
+                  std::sqrt(r.var_dot), r.mean_scaled, r.var_scaled, std::sqrt(r.var_scaled), 1);
     t += buf;
   }
   std::snprintf(buf, sizeof buf,
-                "\nsoftmax over %lld keys: largest weight (mean over samples; uniform %.4f, one-hot 1), fraction of samples\n"
-                "effectively one-hot (largest weight > 0.99), entropy in nats (mean; uniform ln %lld = %.4f, one-hot 0)\n",
+                "\nsoftmax over %lld keys: largest weight (mean over samples; uniform %.4f, one-hot 1), "
+                "fraction of samples\n"
+                "effectively one-hot (largest weight > 0.99), entropy in nats (mean; uniform ln %lld = %.4f, "
+                "one-hot 0)\n",
                 static_cast<long long>(o.n_keys), 1.0 / n, static_cast<long long>(o.n_keys), ln_n);
   t += buf;
-  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %10s %10s\n", "d_k", "max w", "max w scl", "one-hot",
-                "1-hot scl", "entropy", "entr. scl");
+  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %10s %10s\n", "d_k", "max w", "max w scl",
+                "one-hot", "1-hot scl", "entropy", "entr. scl");
   t += buf;
   for (const auto& r : rows) {
-    std::snprintf(buf, sizeof buf, "%6lld | %10.4f %10.4f | %9.1f%% %9.1f%% | %10.4f %10.4f\n", static_cast<long long>(r.d_k),
-                  r.max_weight, r.max_weight_scaled, 100 * r.one_hot, 100 * r.one_hot_scaled, r.entropy, r.entropy_scaled);
+    std::snprintf(buf, sizeof buf, "%6lld | %10.4f %10.4f | %9.1f%% %9.1f%% | %10.4f %10.4f\n",
+                  static_cast<long long>(r.d_k), r.max_weight, r.max_weight_scaled, 100 * r.one_hot,
+                  100 * r.one_hot_scaled, r.entropy, r.entropy_scaled);
     t += buf;
   }
-  std::snprintf(buf, sizeof buf,
-                "\ngradient reaching the logits: Frobenius norm ||J||_F of the softmax Jacobian diag(a) - a a^T (uniform %.4f,\n"
-                "one-hot 0): mean and median over samples, and the fraction of samples with ||J||_F < %g (vanished)\n",
-                j_uniform, o.vanish_threshold);
+  std::snprintf(
+      buf, sizeof buf,
+      "\ngradient reaching the logits: Frobenius norm ||J||_F of the softmax Jacobian diag(a) - a a^T "
+      "(uniform %.4f,\n"
+      "one-hot 0): mean and median over samples, and the fraction of samples with ||J||_F < %g (vanished)\n",
+      j_uniform, o.vanish_threshold);
   t += buf;
-  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %10s %10s\n", "d_k", "mean", "mean scl", "median",
-                "median scl", "vanished", "vanish scl");
+  std::snprintf(buf, sizeof buf, "%6s | %10s %10s | %10s %10s | %10s %10s\n", "d_k", "mean", "mean scl",
+                "median", "median scl", "vanished", "vanish scl");
   t += buf;
   for (const auto& r : rows) {
-    std::snprintf(buf, sizeof buf, "%6lld | %10.4g %10.4g | %10.4g %10.4g | %9.1f%% %9.1f%%\n", static_cast<long long>(r.d_k),
-                  r.jacobian, r.jacobian_scaled, r.jacobian_median, r.jacobian_median_scaled, 100 * r.vanished,
-                  100 * r.vanished_scaled);
+    std::snprintf(buf, sizeof buf, "%6lld | %10.4g %10.4g | %10.4g %10.4g | %9.1f%% %9.1f%%\n",
+                  static_cast<long long>(r.d_k), r.jacobian, r.jacobian_scaled, r.jacobian_median,
+                  r.jacobian_median_scaled, 100 * r.vanished, 100 * r.vanished_scaled);
     t += buf;
   }
   // The reading, from the measured row for d_k = 64 (or the largest d_k measured).
@@ -215,14 +232,18 @@ std::string format_scaling(const std::vector<ScalingRow>& rows, const ScalingOpt
   for (const auto& x : rows)
     if (x.d_k == 64) r = &x;
   std::snprintf(buf, sizeof buf,
-                "\nAt d_k = %lld: unscaled scores have standard deviation %.3f (sqrt(d_k) = %.3f). The softmax leans towards\n"
-                "one key: largest weight %.3f on average (%.3f scaled), %.1f%% of rows effectively one-hot (%.1f%% scaled),\n"
-                "entropy %.3f of %.3f nats (%.3f scaled); in %.1f%% of rows ||J||_F < %g, the scores get almost no gradient\n"
-                "(%.1f%% scaled); median ||J||_F %.4g (%.4g scaled). Scaled by 1/sqrt(d_k), the variance is %.4f (expected 1).\n",
-                static_cast<long long>(r->d_k), std::sqrt(r->var_dot), std::sqrt(static_cast<double>(r->d_k)), r->max_weight,
-                r->max_weight_scaled, 100 * r->one_hot, 100 * r->one_hot_scaled, r->entropy, ln_n, r->entropy_scaled,
-                100 * r->vanished, o.vanish_threshold, 100 * r->vanished_scaled, r->jacobian_median, r->jacobian_median_scaled,
-                r->var_scaled);
+                "\nAt d_k = %lld: unscaled scores have standard deviation %.3f (sqrt(d_k) = %.3f). The "
+                "softmax leans towards\n"
+                "one key: largest weight %.3f on average (%.3f scaled), %.1f%% of rows effectively one-hot "
+                "(%.1f%% scaled),\n"
+                "entropy %.3f of %.3f nats (%.3f scaled); in %.1f%% of rows ||J||_F < %g, the scores get "
+                "almost no gradient\n"
+                "(%.1f%% scaled); median ||J||_F %.4g (%.4g scaled). Scaled by 1/sqrt(d_k), the variance is "
+                "%.4f (expected 1).\n",
+                static_cast<long long>(r->d_k), std::sqrt(r->var_dot), std::sqrt(static_cast<double>(r->d_k)),
+                r->max_weight, r->max_weight_scaled, 100 * r->one_hot, 100 * r->one_hot_scaled, r->entropy,
+                ln_n, r->entropy_scaled, 100 * r->vanished, o.vanish_threshold, 100 * r->vanished_scaled,
+                r->jacobian_median, r->jacobian_median_scaled, r->var_scaled);
   t += buf;
   t += "Rows with vanished gradient (||J||_F < " + fmt("%g", o.vanish_threshold) + "), unscaled:";
   for (const auto& x : rows) {
@@ -271,11 +292,17 @@ std::vector<Panel> make_panels(const std::vector<ScalingRow>& rows, const Scalin
   Series e4{"uniform: sqrt(1/n - 1/n^2)", kExpected, {}, true};
   const double n = static_cast<double>(o.n_keys);
   for (const auto& r : rows) {
-    u1.y.push_back(std::sqrt(r.var_dot)); c1.y.push_back(std::sqrt(r.var_scaled));
+    u1.y.push_back(std::sqrt(r.var_dot));
+    c1.y.push_back(std::sqrt(r.var_scaled));
     e1.y.push_back(std::sqrt(static_cast<double>(r.d_k)));
-    u2.y.push_back(r.max_weight); c2.y.push_back(r.max_weight_scaled);
-    u3.y.push_back(r.entropy); c3.y.push_back(r.entropy_scaled); e3.y.push_back(std::log(n));
-    u4.y.push_back(r.jacobian_median); c4.y.push_back(r.jacobian_median_scaled); e4.y.push_back(std::sqrt(1 / n - 1 / (n * n)));
+    u2.y.push_back(r.max_weight);
+    c2.y.push_back(r.max_weight_scaled);
+    u3.y.push_back(r.entropy);
+    c3.y.push_back(r.entropy_scaled);
+    e3.y.push_back(std::log(n));
+    u4.y.push_back(r.jacobian_median);
+    c4.y.push_back(r.jacobian_median_scaled);
+    e4.y.push_back(std::sqrt(1 / n - 1 / (n * n)));
   }
   p1.series = {e1, u1, c1};
   p2.series = {u2, c2};
@@ -289,10 +316,16 @@ std::vector<Panel> make_panels(const std::vector<ScalingRow>& rows, const Scalin
       for (const double y : s.y)
         if (std::isfinite(y)) mx = std::max(mx, y);
     // Round up so that the four tick intervals are 1, 2, 2.5 or 5 times a power of ten.
-    if (!(mx > 0)) { p.ymax = 1; continue; }
+    if (!(mx > 0)) {
+      p.ymax = 1;
+      continue;
+    }
     const double unit = std::pow(10.0, std::floor(std::log10(mx / 4)));
     for (const double m : {1.0, 2.0, 2.5, 5.0, 10.0})
-      if (4 * m * unit >= mx * 1.02) { p.ymax = 4 * m * unit; break; }
+      if (4 * m * unit >= mx * 1.02) {
+        p.ymax = 4 * m * unit;
+        break;
+      }
   }
   return ps;
 }
@@ -321,7 +354,8 @@ Image render_plot(const std::vector<Panel>& ps, const std::vector<ScalingRow>& r
   const std::size_t n = rows.size();
   for (int p = 0; p < 4; ++p) {
     const Panel& pl = ps[static_cast<std::size_t>(p)];
-    const int x0 = g.px(p) + kPlotL, x1 = g.px(p) + kPanelW - kPlotR, y0 = g.py(p) + kPlotT, y1 = g.py(p) + kPanelH - kPlotB;
+    const int x0 = g.px(p) + kPlotL, x1 = g.px(p) + kPanelW - kPlotR, y0 = g.py(p) + kPlotT,
+              y1 = g.py(p) + kPanelH - kPlotB;
     c.text(g.px(p) + kPlotL, g.py(p) + 6, pl.title, detail::kBlack);
     c.line(x0, y1, x1, y1, detail::kBlack);
     c.line(x0, y0, x0, y1, detail::kBlack);
@@ -342,17 +376,23 @@ Image render_plot(const std::vector<Panel>& ps, const std::vector<ScalingRow>& r
     c.text((x0 + x1) / 2 - detail::text_width("d_k") / 2, y1 + 19, "d_k", detail::kGrey);
     for (const auto& s : pl.series) {
       for (std::size_t k = 0; k + 1 < n; ++k) {
-        const double xa = g.x_at(p, k, n), ya = g.y_at(p, pl, s.y[k]), xb = g.x_at(p, k + 1, n), yb = g.y_at(p, pl, s.y[k + 1]);
-        if (!s.dashed) { c.line(xa, ya, xb, yb, s.colour, 2); continue; }
+        const double xa = g.x_at(p, k, n), ya = g.y_at(p, pl, s.y[k]), xb = g.x_at(p, k + 1, n),
+                     yb = g.y_at(p, pl, s.y[k + 1]);
+        if (!s.dashed) {
+          c.line(xa, ya, xb, yb, s.colour, 2);
+          continue;
+        }
         const double len = std::hypot(xb - xa, yb - ya);
         for (double d = 0; d < len; d += 10) {
           const double e = std::min(len, d + 6);
-          c.line(xa + (xb - xa) * d / len, ya + (yb - ya) * d / len, xa + (xb - xa) * e / len, ya + (yb - ya) * e / len, s.colour, 1);
+          c.line(xa + (xb - xa) * d / len, ya + (yb - ya) * d / len, xa + (xb - xa) * e / len,
+                 ya + (yb - ya) * e / len, s.colour, 1);
         }
       }
       if (!s.dashed)
         for (std::size_t k = 0; k < n; ++k) {
-          const int x = static_cast<int>(std::lround(g.x_at(p, k, n))), y = static_cast<int>(std::lround(g.y_at(p, pl, s.y[k])));
+          const int x = static_cast<int>(std::lround(g.x_at(p, k, n))),
+                    y = static_cast<int>(std::lround(g.y_at(p, pl, s.y[k])));
           c.fill(x - 3, y - 3, x + 4, y + 4, s.colour);
         }
     }
@@ -360,11 +400,14 @@ Image render_plot(const std::vector<Panel>& ps, const std::vector<ScalingRow>& r
   // Legend.
   int lx = kMargin;
   const int ly = g.height - kMargin - 10;
-  for (const auto& [name, col, dashed] : {std::tuple{"unscaled q.k", kUnscaled, false},
-                                          std::tuple{"scaled q.k/sqrt(d_k)", kScaled, false},
-                                          std::tuple{"expected / uniform reference", kExpected, true}}) {
-    if (dashed) { c.line(lx, ly + 4, lx + 8, ly + 4, col); c.line(lx + 14, ly + 4, lx + 22, ly + 4, col); }
-    else c.line(lx, ly + 4, lx + 22, ly + 4, col, 2);
+  for (const auto& [name, col, dashed] :
+       {std::tuple{"unscaled q.k", kUnscaled, false}, std::tuple{"scaled q.k/sqrt(d_k)", kScaled, false},
+        std::tuple{"expected / uniform reference", kExpected, true}}) {
+    if (dashed) {
+      c.line(lx, ly + 4, lx + 8, ly + 4, col);
+      c.line(lx + 14, ly + 4, lx + 22, ly + 4, col);
+    } else
+      c.line(lx, ly + 4, lx + 22, ly + 4, col, 2);
     lx += 28 + c.text(lx + 28, ly, name, detail::kBlack) + 24;
   }
   return std::move(c).take();
@@ -376,13 +419,15 @@ std::string plot_svg(const std::vector<Panel>& ps, const std::vector<ScalingRow>
   auto num = [](double x) { return fmt("%.2f", x); };
   std::string o = "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + to_string(g.width) + "\" height=\"" +
                   to_string(g.height) + "\" viewBox=\"0 0 " + to_string(g.width) + " " + to_string(g.height) +
-                  "\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n";
+                  "\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" "
+                  "fill=\"#ffffff\"/>\n";
   o += "<text x=\"" + to_string(kMargin) + "\" y=\"" + to_string(kMargin + 10) + "\" font-size=\"13\">" +
        detail::xml_escape(kPlotTitle) + "</text>\n";
   const std::size_t n = rows.size();
   for (int p = 0; p < 4; ++p) {
     const Panel& pl = ps[static_cast<std::size_t>(p)];
-    const int x0 = g.px(p) + kPlotL, x1 = g.px(p) + kPanelW - kPlotR, y0 = g.py(p) + kPlotT, y1 = g.py(p) + kPanelH - kPlotB;
+    const int x0 = g.px(p) + kPlotL, x1 = g.px(p) + kPanelW - kPlotR, y0 = g.py(p) + kPlotT,
+              y1 = g.py(p) + kPanelH - kPlotB;
     o += "<g class=\"panel\">\n<text x=\"" + to_string(x0) + "\" y=\"" + to_string(g.py(p) + 14) + "\">" +
          detail::xml_escape(pl.title) + "</text>\n";
     for (int t = 0; t <= 4; ++t) {
@@ -395,30 +440,32 @@ std::string plot_svg(const std::vector<Panel>& ps, const std::vector<ScalingRow>
     o += "<path d=\"M" + to_string(x0) + " " + to_string(y0) + "V" + to_string(y1) + "H" + to_string(x1) +
          "\" fill=\"none\" stroke=\"#000\"/>\n";
     for (std::size_t k = 0; k < n; ++k)
-      o += "<text x=\"" + num(g.x_at(p, k, n)) + "\" y=\"" + to_string(y1 + 15) + "\" text-anchor=\"middle\">" +
-           to_string(rows[k].d_k) + "</text>\n";
-    o += "<text x=\"" + to_string((x0 + x1) / 2) + "\" y=\"" + to_string(y1 + 28) + "\" text-anchor=\"middle\" fill=\"#808080\">d_k</text>\n";
+      o += "<text x=\"" + num(g.x_at(p, k, n)) + "\" y=\"" + to_string(y1 + 15) +
+           "\" text-anchor=\"middle\">" + to_string(rows[k].d_k) + "</text>\n";
+    o += "<text x=\"" + to_string((x0 + x1) / 2) + "\" y=\"" + to_string(y1 + 28) +
+         "\" text-anchor=\"middle\" fill=\"#808080\">d_k</text>\n";
     for (const auto& s : pl.series) {
-      o += "<polyline class=\"series\" fill=\"none\" stroke=\"" + detail::hex(s.colour) + "\" stroke-width=\"" +
-           (s.dashed ? "1\" stroke-dasharray=\"6 4" : "2") + "\" points=\"";
+      o += "<polyline class=\"series\" fill=\"none\" stroke=\"" + detail::hex(s.colour) +
+           "\" stroke-width=\"" + (s.dashed ? "1\" stroke-dasharray=\"6 4" : "2") + "\" points=\"";
       for (std::size_t k = 0; k < n; ++k) o += num(g.x_at(p, k, n)) + "," + num(g.y_at(p, pl, s.y[k])) + " ";
       o += "\"><title>" + detail::xml_escape(s.name) + "</title></polyline>\n";
       if (!s.dashed)
         for (std::size_t k = 0; k < n; ++k)
-          o += "<circle cx=\"" + num(g.x_at(p, k, n)) + "\" cy=\"" + num(g.y_at(p, pl, s.y[k])) + "\" r=\"3\" fill=\"" +
-               detail::hex(s.colour) + "\"><title>d_k " + to_string(rows[k].d_k) + ": " + fmt("%.6g", s.y[k]) +
-               "</title></circle>\n";
+          o += "<circle cx=\"" + num(g.x_at(p, k, n)) + "\" cy=\"" + num(g.y_at(p, pl, s.y[k])) +
+               "\" r=\"3\" fill=\"" + detail::hex(s.colour) + "\"><title>d_k " + to_string(rows[k].d_k) +
+               ": " + fmt("%.6g", s.y[k]) + "</title></circle>\n";
     }
     o += "</g>\n";
   }
   int lx = kMargin;
   const int ly = g.height - kMargin - 6;
-  for (const auto& [name, col, dashed] : {std::tuple{"unscaled q.k", kUnscaled, false},
-                                          std::tuple{"scaled q.k/sqrt(d_k)", kScaled, false},
-                                          std::tuple{"expected / uniform reference", kExpected, true}}) {
-    o += "<line x1=\"" + to_string(lx) + "\" y1=\"" + to_string(ly) + "\" x2=\"" + to_string(lx + 22) + "\" y2=\"" +
-         to_string(ly) + "\" stroke=\"" + detail::hex(col) + "\" stroke-width=\"" + (dashed ? "1\" stroke-dasharray=\"6 4" : "2") +
-         "\"/><text x=\"" + to_string(lx + 28) + "\" y=\"" + to_string(ly + 4) + "\">" + name + "</text>\n";
+  for (const auto& [name, col, dashed] :
+       {std::tuple{"unscaled q.k", kUnscaled, false}, std::tuple{"scaled q.k/sqrt(d_k)", kScaled, false},
+        std::tuple{"expected / uniform reference", kExpected, true}}) {
+    o += "<line x1=\"" + to_string(lx) + "\" y1=\"" + to_string(ly) + "\" x2=\"" + to_string(lx + 22) +
+         "\" y2=\"" + to_string(ly) + "\" stroke=\"" + detail::hex(col) + "\" stroke-width=\"" +
+         (dashed ? "1\" stroke-dasharray=\"6 4" : "2") + "\"/><text x=\"" + to_string(lx + 28) + "\" y=\"" +
+         to_string(ly + 4) + "\">" + name + "</text>\n";
     lx += 28 + 7 * static_cast<int>(std::string(name).size()) + 24;
   }
   o += "</svg>\n";
@@ -427,7 +474,8 @@ std::string plot_svg(const std::vector<Panel>& ps, const std::vector<ScalingRow>
 
 }  // namespace
 
-void write_scaling_plot(const std::filesystem::path& path, const std::vector<ScalingRow>& rows, const ScalingOptions& o) {
+void write_scaling_plot(const std::filesystem::path& path, const std::vector<ScalingRow>& rows,
+                        const ScalingOptions& o) {
   if (rows.empty()) throw Error("plot: expected at least one measured d_k");
   const std::string ext = detail::extension_of(path);
   const auto ps = make_panels(rows, o);

@@ -40,17 +40,22 @@ std::string fmt(double x) {
 
 void check_index(std::int64_t x, std::int64_t n, const char* what, const char* axis) {
   if (x < 0 || x >= n)
-    throw Error(std::string(what) + ": expected an index in [0, " + axis + ") = [0, " + s(n) + "), got " + s(x));
+    throw Error(std::string(what) + ": expected an index in [0, " + axis + ") = [0, " + s(n) + "), got " +
+                s(x));
 }
 
 }  // namespace
 
 const char* key_status_name(KeyStatus st) noexcept {
   switch (st) {
-    case KeyStatus::admitted: return "admitted";
-    case KeyStatus::outside_window: return "causal/window";
-    case KeyStatus::beyond_kv_len: return "kv_len";
-    case KeyStatus::masked: return "mask";
+    case KeyStatus::admitted:
+      return "admitted";
+    case KeyStatus::outside_window:
+      return "causal/window";
+    case KeyStatus::beyond_kv_len:
+      return "kv_len";
+    case KeyStatus::masked:
+      return "mask";
   }
   return "?";
 }
@@ -79,8 +84,13 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
   need_rank4(k, "k", "[B,Hkv,Sk,D]");
   need_rank4(v, "v", "[B,Hkv,Sk,Dv]");
   Trace t;
-  t.B = q.size(0); t.Hq = q.size(1); t.Sq = q.size(2); t.D = q.size(3);
-  t.Hkv = k.size(1); t.Sk = k.size(2); t.Dv = v.size(3);
+  t.B = q.size(0);
+  t.Hq = q.size(1);
+  t.Sq = q.size(2);
+  t.D = q.size(3);
+  t.Hkv = k.size(1);
+  t.Sk = k.size(2);
+  t.Dv = v.size(3);
   // Sizes are checked before anything is allocated: the entries grow as B*Hq*Sq*Sk.
   const std::int64_t entries = checked_numel({t.B, t.Hq, t.Sq, std::max<std::int64_t>(t.Sk, 1)}, 8, "q, k");
   if (entries > kMaxTraceEntries)
@@ -88,7 +98,8 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
                 s(kMaxTraceEntries) + "; trace fewer heads or a shorter sequence");
   const std::int64_t nout = checked_numel({t.B, t.Hq, t.Sq, t.Dv}, 8, "out");
   if (nout > kMaxTraceEntries)
-    throw Error("v: a trace output holds B*Hq*Sq*Dv = " + s(nout) + " entries, more than " + s(kMaxTraceEntries));
+    throw Error("v: a trace output holds B*Hq*Sq*Dv = " + s(nout) + " entries, more than " +
+                s(kMaxTraceEntries));
 
   const auto n = static_cast<std::size_t>(t.B * t.Hq * t.Sq * t.Sk);
   t.output.assign(static_cast<std::size_t>(nout), 0.0);
@@ -98,10 +109,10 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
   // point at the trace's own buffers (never read: the loop below writes them).
   AttentionParams p = params;
   p.kernel = KernelKind::reference;
-  const detail::Problem pr = detail::lower_attention(
-      q, k, v, TensorView(t.output.data(), DType::f64, {t.B, t.Hq, t.Sq, t.Dv}), p,
-      TensorView(t.lse.data(), DType::f64, {t.B, t.Hq, t.Sq}),
-      TensorView(t.weights.data(), DType::f64, {t.B, t.Hq, t.Sq, t.Sk}));
+  const detail::Problem pr =
+      detail::lower_attention(q, k, v, TensorView(t.output.data(), DType::f64, {t.B, t.Hq, t.Sq, t.Dv}), p,
+                              TensorView(t.lse.data(), DType::f64, {t.B, t.Hq, t.Sq}),
+                              TensorView(t.weights.data(), DType::f64, {t.B, t.Hq, t.Sq, t.Sk}));
 
   t.scale = pr.scale;
   t.softcap = pr.softcap;
@@ -156,7 +167,8 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
           // Step 1: the dot product.
           load_row(pr.k.data, pr.k.dtype, b * pr.k.sb + hk * pr.k.sh + j * pr.k.ss, t.D, kj.data());
           double dot = 0.0;
-          for (std::int64_t x = 0; x < t.D; ++x) dot += qi[static_cast<std::size_t>(x)] * kj[static_cast<std::size_t>(x)];
+          for (std::int64_t x = 0; x < t.D; ++x)
+            dot += qi[static_cast<std::size_t>(x)] * kj[static_cast<std::size_t>(x)];
           sc[j] = dot;
           // Step 2: scale, softcap, additive mask.
           double sj = pr.scale * dot;
@@ -179,10 +191,12 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
         for (std::int64_t j = 0; j < t.Sk && !empty; ++j) {
           if (st[j] != KeyStatus::admitted) continue;
           load_row(pr.v.data, pr.v.dtype, b * pr.v.sb + hk * pr.v.sh + j * pr.v.ss, t.Dv, vj.data());
-          for (std::int64_t x = 0; x < t.Dv; ++x) z[static_cast<std::size_t>(x)] += al[j] * vj[static_cast<std::size_t>(x)];
+          for (std::int64_t x = 0; x < t.Dv; ++x)
+            z[static_cast<std::size_t>(x)] += al[j] * vj[static_cast<std::size_t>(x)];
         }
         std::copy(z.begin(), z.end(), t.output.begin() + ((b * t.Hq + h) * t.Sq + i) * t.Dv);
-        t.lse[static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i)] = empty ? kNegInf : row_max + std::log(sum);
+        t.lse[static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i)] =
+            empty ? kNegInf : row_max + std::log(sum);
       }
     }
   return t;
@@ -209,7 +223,8 @@ std::vector<KeyWeight> top_keys(const Trace& t, std::int64_t b, std::int64_t h, 
     if (std::isnan(c.weight)) return true;
     return a.weight > c.weight;
   });
-  if (count >= 0 && static_cast<std::size_t>(count) < keys.size()) keys.resize(static_cast<std::size_t>(count));
+  if (count >= 0 && static_cast<std::size_t>(count) < keys.size())
+    keys.resize(static_cast<std::size_t>(count));
   return keys;
 }
 
@@ -218,8 +233,9 @@ std::vector<std::string> query_labels(const Trace& t, const std::vector<std::str
   std::vector<std::string> out;
   for (std::int64_t i = 0; i < t.Sq; ++i) {
     const std::int64_t d = key_labels.empty() ? i : t.diag(b, i);
-    out.push_back(d >= 0 && d < static_cast<std::int64_t>(key_labels.size()) ? key_labels[static_cast<std::size_t>(d)]
-                                                                               : s(i));
+    out.push_back(d >= 0 && d < static_cast<std::int64_t>(key_labels.size())
+                      ? key_labels[static_cast<std::size_t>(d)]
+                      : s(i));
   }
   return out;
 }
@@ -230,19 +246,29 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
   check_index(h, t.Hq, "head", "Hq");
   check_index(i, t.Sq, "query", "Sq");
   if (!key_labels.empty() && static_cast<std::int64_t>(key_labels.size()) != t.Sk)
-    throw Error("labels: expected Sk = " + s(t.Sk) + " key labels, got " + s(static_cast<std::int64_t>(key_labels.size())));
-  auto label = [&](std::int64_t j) { return key_labels.empty() ? std::string() : key_labels[static_cast<std::size_t>(j)]; };
+    throw Error("labels: expected Sk = " + s(t.Sk) + " key labels, got " +
+                s(static_cast<std::int64_t>(key_labels.size())));
+  auto label = [&](std::int64_t j) {
+    return key_labels.empty() ? std::string() : key_labels[static_cast<std::size_t>(j)];
+  };
   const std::vector<std::string> ql = query_labels(t, key_labels, b);
   std::string o;
   char buf[512];
-  std::snprintf(buf, sizeof buf, "batch %" PRId64 ", head %" PRId64 " (kv head %" PRId64 "), query %" PRId64 " \"%s\"\n",
-                b, h, t.kv_head(h), i, ql[static_cast<std::size_t>(i)].c_str());
+  std::snprintf(buf, sizeof buf,
+                "batch %" PRId64 ", head %" PRId64 " (kv head %" PRId64 "), query %" PRId64 " \"%s\"\n", b, h,
+                t.kv_head(h), i, ql[static_cast<std::size_t>(i)].c_str());
   o += buf;
   // Header: only the columns of the options in use.
   std::snprintf(buf, sizeof buf, "  %5s %-12s %13s %13s", "key", "label", "q.k", "x scale");
   o += buf;
-  if (t.softcap > 0.0) { std::snprintf(buf, sizeof buf, " %13s", "softcap"); o += buf; }
-  if (t.additive_mask) { std::snprintf(buf, sizeof buf, " %13s", "+ mask"); o += buf; }
+  if (t.softcap > 0.0) {
+    std::snprintf(buf, sizeof buf, " %13s", "softcap");
+    o += buf;
+  }
+  if (t.additive_mask) {
+    std::snprintf(buf, sizeof buf, " %13s", "+ mask");
+    o += buf;
+  }
   std::snprintf(buf, sizeof buf, " %13s %13s\n", "logit", "weight");
   o += buf;
   std::int64_t admitted = 0;
@@ -252,7 +278,8 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
     std::snprintf(buf, sizeof buf, "  %5" PRId64 " %-12s", j, label(j).c_str());
     o += buf;
     if (t.status[e] != KeyStatus::admitted) {
-      std::snprintf(buf, sizeof buf, " %13s  (excluded by %s: -inf, weight 0)\n", "-inf", key_status_name(t.status[e]));
+      std::snprintf(buf, sizeof buf, " %13s  (excluded by %s: -inf, weight 0)\n", "-inf",
+                    key_status_name(t.status[e]));
       o += buf;
       continue;
     }
@@ -265,12 +292,16 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
       std::snprintf(buf, sizeof buf, " %13s", fmt(t.softcap * std::tanh(scaled / t.softcap)).c_str());
       o += buf;
     }
-    if (t.additive_mask) { std::snprintf(buf, sizeof buf, " %13s", fmt(t.mask_add[e]).c_str()); o += buf; }
+    if (t.additive_mask) {
+      std::snprintf(buf, sizeof buf, " %13s", fmt(t.mask_add[e]).c_str());
+      o += buf;
+    }
     std::snprintf(buf, sizeof buf, " %13s %13s\n", fmt(t.scaled[e]).c_str(), fmt(t.weights[e]).c_str());
     o += buf;
   }
   const auto r = static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i);
-  std::snprintf(buf, sizeof buf, "  admitted keys: %" PRId64 " of %" PRId64 "; sum of weights = %s; softmax_lse = %s\n",
+  std::snprintf(buf, sizeof buf,
+                "  admitted keys: %" PRId64 " of %" PRId64 "; sum of weights = %s; softmax_lse = %s\n",
                 admitted, t.Sk, fmt(sum).c_str(), fmt(t.lse[r]).c_str());
   o += buf;
   o += "  z = sum_j weight_j v_j = [";
