@@ -98,6 +98,7 @@ void run_scaling(const ExplainOptions& o) {
 
 void run_explain(const ExplainOptions& o) {
   if (o.scaling) return run_scaling(o);
+  if (!o.plots.empty()) throw Error("--plot: only with --scaling (attention weights are drawn with --heatmap)");
   const bool from_x = !o.x.empty() || !o.wq.empty() || !o.wk.empty() || !o.wv.empty();
   const bool from_qkv = !o.q.empty() || !o.k.empty() || !o.v.empty();
   if (from_x && from_qkv) throw Error("--x: give either --q/--k/--v or --x/--wq/--wk/--wv, not both");
@@ -108,6 +109,8 @@ void run_explain(const ExplainOptions& o) {
                             : o.k.empty() ? "--k"
                                           : "--v") +
                 ": required with the other two of --q/--k/--v");
+  if (from_x && o.layout == "bshd")
+    throw Error("--layout: applies to --q/--k/--v; --x is [S,d_model] or [B,S,d_model], got --layout bshd");
   if (from_x && (o.x.empty() || o.wq.empty() || o.wk.empty() || o.wv.empty()))
     throw Error(std::string(o.x.empty()    ? "--x"
                             : o.wq.empty() ? "--wq"

@@ -253,7 +253,7 @@ std::string format_scaling(const std::vector<ScalingRow>& rows, const ScalingOpt
     t += fmt("%.1f%%", 100 * x.vanished);
     if (&x != &rows.back()) t += ',';
   }
-  t += "; scaled:";
+  t += ";\nscaled:";
   for (const auto& x : rows) {
     t += ' ';
     t += fmt("%.1f%%", 100 * x.vanished_scaled);
