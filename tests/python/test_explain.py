@@ -193,6 +193,21 @@ def main():
     html = open(f("x.html"), encoding="utf-8").read()
     check(html.startswith("<!DOCTYPE html>") and "<svg" in html and html.rstrip().endswith("</html>"), "html page")
 
+    # One head of batch 1, labels from a file (UTF-8 kept in the SVG).
+    with open(f("labels.txt"), "w", encoding="utf-8") as fh:
+        fh.write("\n".join(["\u2581once", "upon", "a", "time", "there", "was", "a"]) + "\n")
+    run("explain", "--q", f("q.npy"), "--k", f("k.npy"), "--v", f("v.npy"), "--causal", "--head", "1", "--batch", "1",
+        "--labels-file", f("labels.txt"), "--heatmap", f("one.svg"), "--query", "0")
+    root = ET.parse(f("one.svg")).getroot()
+    cells = [r for r in root.iter(ns + "rect") if r.get("class") == "cell"]
+    check(len(cells) == 5 * 7, f"one-head svg holds 35 cells, got {len(cells)}")
+    texts = [t.text for t in root.iter(ns + "text")]
+    check("\u2581once" in texts and "head 1" in texts, "one-head svg: UTF-8 label and panel title")
+    w1 = reference(q, k, v, causal=True)[2][1, 1]
+    tips = [r.find(ns + "title").text for r in cells]
+    check(all(abs(float(tip.rsplit(": ", 1)[1]) - w1[n // 7, n % 7]) <= 1e-5 * max(1, w1[n // 7, n % 7])
+              for n, tip in enumerate(tips)), "svg tooltips hold the weights of batch 1, head 1")
+
     # 6. --scaling: the figures at d_k = 64, and the plot.
     p = run("explain", "--scaling", "--samples", "300", "--d-k", "4,64", "--plot", f("s.svg"), "--plot", f("s.png"))
     row = [l for l in p.stdout.splitlines() if re.match(r"^\s+64 \|", l)][0].split("|")
