@@ -1,4 +1,5 @@
-// The qkv command: attention on files, a demo, machine information, and the attention layer.
+// The qkv command: attention on files, a demo, the steps explained, the attention layer, and
+// machine information.
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("qkv ") + QKV_VERSION);
   qkv::cli::add_attend(app);
   qkv::cli::add_demo(app);
+  qkv::cli::add_explain(app);
   qkv::cli::add_info(app);
   qkv::cli::add_mha(app);
   try {

@@ -3,6 +3,7 @@
 /// Umbrella header: everything public in qkv.
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
+#include "qkv/explain.hpp"
 #include "qkv/info.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/llama2c.hpp"

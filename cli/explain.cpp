@@ -1,0 +1,288 @@
+// `qkv explain`: the steps of attention on given Q/K/V (or X and W^Q, W^K, W^V), printed per
+// query row with token labels, written as .npy arrays and heatmaps; and `--scaling`, the
+// measured argument for the 1/sqrt(d_k) scale.
+#include "qkv/explain.hpp"
+
+#include <cinttypes>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "qkv/error.hpp"
+#include "qkv/npy.hpp"
+
+namespace qkv::cli {
+namespace {
+
+struct ExplainOptions {
+  std::string q, k, v, x, wq, wk, wv, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
+  std::string labels, labels_file, out_dir;
+  std::vector<std::string> heatmaps, plots;
+  std::optional<double> scale;
+  double softcap = 0.0;
+  bool causal = false, scaling = false;
+  std::optional<std::int64_t> query, head, batch;
+  std::int64_t heads = 1, top = 3, samples = 1000, n_keys = 64;
+  std::uint64_t seed = 1;
+  std::vector<std::int64_t> d_k = {4, 16, 64, 256, 1024};
+};
+
+NpyArray read(const std::string& flag, const std::string& path) {
+  try {
+    return read_npy(path);
+  } catch (const Error& e) {
+    throw Error(flag + ": " + e.what());
+  }
+}
+
+std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) {
+  auto bad = [&] { return Error("--window: expected LEFT,RIGHT (integers >= -1), got '" + s + "'"); };
+  const auto comma = s.find(',');
+  if (comma == std::string::npos) throw bad();
+  try {
+    std::size_t n1 = 0, n2 = 0;
+    const std::string a = s.substr(0, comma), b = s.substr(comma + 1);
+    const long long l = std::stoll(a, &n1), r = std::stoll(b, &n2);
+    if (n1 != a.size() || n2 != b.size()) throw bad();
+    return {l, r};
+  } catch (const std::logic_error&) {
+    throw bad();
+  }
+}
+
+std::vector<std::string> read_labels(const ExplainOptions& o) {
+  std::vector<std::string> out;
+  if (!o.labels.empty() && !o.labels_file.empty())
+    throw Error("--labels: give either --labels or --labels-file, not both");
+  if (!o.labels.empty()) {
+    std::size_t start = 0;
+    while (true) {
+      const auto comma = o.labels.find(',', start);
+      out.push_back(o.labels.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  } else if (!o.labels_file.empty()) {
+    std::ifstream f(o.labels_file);
+    if (!f) throw Error("--labels-file: cannot open '" + o.labels_file + "'");
+    std::string line;
+    while (std::getline(f, line)) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      out.push_back(line);
+    }
+  }
+  return out;
+}
+
+void check_index(const std::optional<std::int64_t>& x, std::int64_t n, const char* flag, const char* axis) {
+  if (x && (*x < 0 || *x >= n))
+    throw Error(std::string(flag) + ": expected an index in [0, " + axis + ") = [0, " + std::to_string(n) +
+                "), got " + std::to_string(*x));
+}
+
+void run_scaling(const ExplainOptions& o) {
+  explain::ScalingOptions so;
+  so.d_k = o.d_k;
+  so.n_keys = o.n_keys;
+  so.samples = o.samples;
+  so.seed = o.seed;
+  const auto rows = explain::scaling_study(so);
+  for (const auto& p : o.plots) explain::write_scaling_plot(p, rows, so);
+  std::fputs(explain::format_scaling(rows, so).c_str(), stdout);
+  for (const auto& p : o.plots) std::printf("wrote %s\n", p.c_str());
+}
+
+void run_explain(const ExplainOptions& o) {
+  if (o.scaling) return run_scaling(o);
+  if (!o.plots.empty()) throw Error("--plot: only with --scaling (attention weights are drawn with --heatmap)");
+  const bool from_x = !o.x.empty() || !o.wq.empty() || !o.wk.empty() || !o.wv.empty();
+  const bool from_qkv = !o.q.empty() || !o.k.empty() || !o.v.empty();
+  if (from_x && from_qkv) throw Error("--x: give either --q/--k/--v or --x/--wq/--wk/--wv, not both");
+  if (!from_x && !from_qkv)
+    throw Error("--q: expected inputs: --q/--k/--v, or --x/--wq/--wk/--wv, or --scaling");
+  if (from_qkv && (o.q.empty() || o.k.empty() || o.v.empty()))
+    throw Error(std::string(o.q.empty()   ? "--q"
+                            : o.k.empty() ? "--k"
+                                          : "--v") +
+                ": required with the other two of --q/--k/--v");
+  if (from_x && o.layout == "bshd")
+    throw Error("--layout: applies to --q/--k/--v; --x is [S,d_model] or [B,S,d_model], got --layout bshd");
+  if (from_x && (o.x.empty() || o.wq.empty() || o.wk.empty() || o.wv.empty()))
+    throw Error(std::string(o.x.empty()    ? "--x"
+                            : o.wq.empty() ? "--wq"
+                            : o.wk.empty() ? "--wk"
+                                           : "--wv") +
+                ": required with the others of --x/--wq/--wk/--wv");
+
+  // Inputs as BHSD views.
+  NpyArray qa, ka, va;
+  explain::Projected proj;
+  TensorView q, k, v;
+  const bool bshd = from_qkv && o.layout == "bshd";
+  if (from_qkv) {
+    qa = read("--q", o.q);
+    ka = read("--k", o.k);
+    va = read("--v", o.v);
+    for (const auto& [a, f] : {std::pair{&qa, "--q"}, std::pair{&ka, "--k"}, std::pair{&va, "--v"}})
+      if (a->shape().size() != 4)
+        throw Error(std::string(f) + ": expected a 4-D array, got shape " + shape_str(a->shape()));
+    q = bshd ? qa.view().permute({0, 2, 1, 3}) : qa.view();
+    k = bshd ? ka.view().permute({0, 2, 1, 3}) : ka.view();
+    v = bshd ? va.view().permute({0, 2, 1, 3}) : va.view();
+  } else {
+    const NpyArray xa = read("--x", o.x), wqa = read("--wq", o.wq), wka = read("--wk", o.wk),
+                   wva = read("--wv", o.wv);
+    proj = explain::project_qkv(xa.view(), wqa.view(), wka.view(), wva.view(), o.heads);
+    q = proj.q.view();
+    k = proj.k.view();
+    v = proj.v.view();
+  }
+
+  AttentionParams p;
+  p.scale = o.scale;
+  p.softcap = o.softcap;
+  p.causal = o.causal;
+  p.align = o.align == "top-left" ? Alignment::top_left : Alignment::bottom_right;
+  if (!o.window.empty()) std::tie(p.window_left, p.window_right) = parse_window(o.window);
+  NpyArray mask, lens;
+  if (!o.mask.empty()) {
+    mask = read("--mask", o.mask);
+    p.mask = mask.view();
+  }
+  if (!o.kv_lens.empty()) {
+    lens = read("--kv-lens", o.kv_lens);
+    p.kv_lens = lens.view();
+  }
+
+  const explain::Trace t = explain::trace_attention(q, k, v, p);
+  const std::vector<std::string> labels = read_labels(o);
+  if (!labels.empty() && static_cast<std::int64_t>(labels.size()) != t.Sk)
+    throw Error(std::string(o.labels.empty() ? "--labels-file" : "--labels") +
+                ": expected one label per key, Sk = " + std::to_string(t.Sk) + ", got " +
+                std::to_string(labels.size()));
+  check_index(o.query, t.Sq, "--query", "Sq");
+  check_index(o.head, t.Hq, "--head", "Hq");
+  check_index(o.batch, t.B, "--batch", "B");
+
+  // Files first (each atomic; on a failure the ones already written are removed), then the text.
+  std::vector<std::filesystem::path> written;
+  auto guarded = [&](const std::filesystem::path& path, auto&& write) {
+    try {
+      write();
+      written.push_back(path);
+    } catch (...) {
+      std::error_code ec;
+      for (const auto& w : written) std::filesystem::remove(w, ec);
+      throw;
+    }
+  };
+  if (!o.out_dir.empty()) {
+    const std::filesystem::path dir(o.out_dir);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw Error("--out-dir: cannot create '" + o.out_dir + "': " + ec.message());
+    const TensorView out = bshd ? t.output_view().permute({0, 2, 1, 3}) : t.output_view();
+    std::vector<std::pair<std::string, TensorView>> files = {{"scores.npy", t.scores_view()},
+                                                             {"scaled.npy", t.scaled_view()},
+                                                             {"weights.npy", t.weights_view()},
+                                                             {"output.npy", out}};
+    if (from_x) {
+      files.emplace_back("q.npy", q);
+      files.emplace_back("k.npy", k);
+      files.emplace_back("v.npy", v);
+    }
+    for (const auto& [name, view] : files) guarded(dir / name, [&] { write_npy(dir / name, view); });
+  }
+  const std::int64_t hb = o.batch.value_or(0);
+  for (const auto& path : o.heatmaps) {
+    TensorView w = explain::head_weights(t, hb);
+    explain::HeatmapOptions ho;
+    ho.title = "attention weights, batch " + std::to_string(hb);
+    if (o.head) {
+      w = TensorView(static_cast<double*>(w.data()) + *o.head * t.Sq * t.Sk, DType::f64, {1, t.Sq, t.Sk});
+      ho.panel_titles = {"head " + std::to_string(*o.head)};
+    }
+    guarded(path, [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
+  }
+
+  std::printf("qkv explain: B %" PRId64 ", Hq %" PRId64 ", Hkv %" PRId64 ", Sq %" PRId64 ", Sk %" PRId64
+              ", D %" PRId64 ", Dv %" PRId64 "%s\n",
+              t.B, t.Hq, t.Hkv, t.Sq, t.Sk, t.D, t.Dv, from_x ? " (q, k, v = x W^Q, x W^K, x W^V)" : "");
+  std::printf("scale %.6g%s", t.scale, o.scale ? "" : " (1/sqrt(D))");
+  if (t.softcap > 0) std::printf(", softcap %.6g", t.softcap);
+  if (t.window.left >= 0 || t.window.right >= 0)
+    std::printf(", window (%" PRId64 ", %" PRId64 ") %s-aligned", t.window.left, t.window.right,
+                t.align == Alignment::bottom_right ? "bottom-right" : "top-left");
+  if (t.has_mask) std::printf(", %s mask", t.additive_mask ? "additive" : "bool");
+  if (p.kv_lens) std::printf(", kv_lens");
+  std::printf(
+      "\nsteps: 1. q.k = q_i . k_j   2. x scale = scale * q.k%s%s   3. masks: excluded keys get -inf\n"
+      "       4. weight = softmax over the row of the logits   5. z_i = sum_j weight_j v_j\n\n",
+      t.softcap > 0 ? ", softcap = c*tanh(s/c)" : "", t.additive_mask ? ", + mask" : "");
+  for (std::int64_t b = 0; b < t.B; ++b) {
+    if (o.batch && b != *o.batch) continue;
+    for (std::int64_t h = 0; h < t.Hq; ++h) {
+      if (o.head && h != *o.head) continue;
+      for (std::int64_t i = 0; i < t.Sq; ++i) {
+        if (o.query && i != *o.query) continue;
+        std::fputs(explain::format_row(t, b, h, i, labels, o.top).c_str(), stdout);
+        std::fputs("\n", stdout);
+      }
+    }
+  }
+  for (const auto& w : written) std::printf("wrote %s\n", w.string().c_str());
+}
+
+}  // namespace
+
+void add_explain(CLI::App& app) {
+  auto o = std::make_shared<ExplainOptions>();
+  auto* cmd = app.add_subcommand(
+      "explain",
+      "The steps of attention made visible: scores, scaling, masks, weights, output; heatmaps; --scaling");
+  cmd->add_option("--q", o->q, "queries, [B,Hq,Sq,D] (bhsd) or [B,Sq,Hq,D] (bshd)");
+  cmd->add_option("--k", o->k, "keys, [B,Hkv,Sk,D] or [B,Sk,Hkv,D]");
+  cmd->add_option("--v", o->v, "values, [B,Hkv,Sk,Dv] or [B,Sk,Hkv,Dv]");
+  cmd->add_option("--x", o->x,
+                  "token vectors, [S,d_model] or [B,S,d_model]: q = x W^Q, k = x W^K, v = x W^V");
+  cmd->add_option("--wq", o->wq, "W^Q, [d_model, H*d_k] (row-vector convention: q = x W^Q)");
+  cmd->add_option("--wk", o->wk, "W^K, [d_model, H*d_k]");
+  cmd->add_option("--wv", o->wv, "W^V, [d_model, H*d_v]");
+  cmd->add_option("--heads", o->heads, "with --x: number of heads H (column blocks of W)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--layout", o->layout, "axis order of --q, --k, --v and output.npy")
+      ->check(CLI::IsMember({"bhsd", "bshd"}));
+  cmd->add_option("--scale", o->scale, "score scale (default 1/sqrt(D))");
+  cmd->add_flag("--causal", o->causal, "causal mask: window (-1, 0)");
+  cmd->add_option("--align", o->align, "diagonal alignment when Sq != Sk")
+      ->check(CLI::IsMember({"bottom-right", "top-left"}));
+  cmd->add_option("--window", o->window, "sliding window LEFT,RIGHT (-1 = unbounded)");
+  cmd->add_option("--mask", o->mask,
+                  "bool (true = attend) or additive float mask, broadcastable to [B,Hq,Sq,Sk]");
+  cmd->add_option("--kv-lens", o->kv_lens, "int32/int64 [B] key lengths");
+  cmd->add_option("--softcap", o->softcap, "softcap c > 0: score = c*tanh(score/c)");
+  cmd->add_option("--query", o->query, "print only query row i (default: all rows)");
+  cmd->add_option("--head", o->head, "print (and draw) only query head h (default: all heads)");
+  cmd->add_option("--batch", o->batch, "print only batch b; the heatmap shows batch b (default 0)");
+  cmd->add_option("--labels", o->labels, "token labels, comma-separated, one per key (Sk)");
+  cmd->add_option("--labels-file", o->labels_file, "token labels, one per line, one per key (Sk)");
+  cmd->add_option("--top", o->top, "how many keys to list by weight per row")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--out-dir", o->out_dir,
+                  "write scores.npy, scaled.npy, weights.npy [B,Hq,Sq,Sk] (float64, excluded: -inf / 0) and "
+                  "output.npy (float64, in the input layout); with --x also q.npy, k.npy, v.npy (bhsd)");
+  cmd->add_option("--heatmap", o->heatmaps,
+                  "attention-weight heatmap(s) of all heads: FILE.png, .svg or .html");
+  cmd->add_flag("--scaling", o->scaling, "measure the scaling argument on random N(0,1) vectors");
+  cmd->add_option("--d-k", o->d_k, "with --scaling: head dimensions to measure")->delimiter(',');
+  cmd->add_option("--samples", o->samples, "with --scaling: samples per d_k")->check(CLI::PositiveNumber);
+  cmd->add_option("--keys", o->n_keys, "with --scaling: keys per softmax (n)")->check(CLI::PositiveNumber);
+  cmd->add_option("--seed", o->seed, "with --scaling: random seed");
+  cmd->add_option("--plot", o->plots, "with --scaling: write the curves as FILE.png, .svg or .html");
+  cmd->callback([o] { run_explain(*o); });
+}
+
+}  // namespace qkv::cli
