@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", std::string("qkv ") + QKV_VERSION);
   qkv::cli::add_attend(app);
   qkv::cli::add_demo(app);
+  qkv::cli::add_generate(app);
   qkv::cli::add_info(app);
   qkv::cli::add_mha(app);
   try {
