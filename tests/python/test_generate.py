@@ -78,7 +78,11 @@ check("empty prompt: generates from BOS", rc == 0 and len(out.strip()) > 20, rep
 # ---- an independent NumPy Llama-2 (float64) and tokenizer: same greedy text ---------------------
 def numpy_greedy(prompt, steps):
     """llama2.c's encode, a from-scratch float64 forward pass, greedy decoding, llama2.c's decode."""
+    saved = dict(os.environ)
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")  # tiny matrices: threads only cost
     import numpy as np
+    os.environ.clear()
+    os.environ.update(saved)  # the qkv runs keep their usual threading
     raw = open(TOK, "rb").read()
     off, pieces, scores = 4, [], []
     while off < len(raw):
