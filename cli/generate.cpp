@@ -59,8 +59,8 @@ void run_generate(const GenerateOptions& o) {
     throw Error("--prompt: " + std::to_string(n) + " tokens (BOS included) exceed the model's max_seq_len (" +
                 std::to_string(max_seq) + ")");
   if (n > o.steps)
-    throw Error("--steps: expected at least the prompt's " + std::to_string(n) + " tokens (BOS included), got " +
-                std::to_string(o.steps));
+    throw Error("--steps: expected at least the prompt's " + std::to_string(n) +
+                " tokens (BOS included), got " + std::to_string(o.steps));
   SamplerConfig sc;
   sc.temperature = o.temperature;
   sc.top_p = o.top_p;
@@ -83,7 +83,8 @@ void run_generate(const GenerateOptions& o) {
       &st);
   std::printf("\n");
   std::fflush(stdout);
-  std::fprintf(stderr, "prefill: %lld tokens in %.3f ms (%.0f tok/s); decode: %lld tokens in %.3f ms (%.0f tok/s)",
+  std::fprintf(stderr,
+               "prefill: %lld tokens in %.3f ms (%.0f tok/s); decode: %lld tokens in %.3f ms (%.0f tok/s)",
                static_cast<long long>(st.prompt_tokens), st.prefill_seconds * 1e3,
                rate(st.prompt_tokens, st.prefill_seconds), static_cast<long long>(st.decode_steps),
                st.decode_seconds * 1e3, rate(st.decode_steps, st.decode_seconds));
@@ -95,14 +96,16 @@ void run_generate(const GenerateOptions& o) {
 
 void add_generate(CLI::App& app) {
   auto opts = std::make_shared<GenerateOptions>();
-  auto* cmd = app.add_subcommand("generate", "Generate text with a llama2.c checkpoint (Llama-2 on qkv attention)");
+  auto* cmd =
+      app.add_subcommand("generate", "Generate text with a llama2.c checkpoint (Llama-2 on qkv attention)");
   cmd->add_option("--model", opts->model, "llama2.c checkpoint (version 0 float32 or version 2 Q8_0)")
       ->capture_default_str();
   cmd->add_option("--tokenizer", opts->tokenizer, "llama2.c tokenizer.bin")->capture_default_str();
   cmd->add_option("--prompt", opts->prompt, "text to continue (BOS and a leading space are added)");
   cmd->add_option("--steps", opts->steps, "positions to run, the prompt's tokens included (<= max_seq_len)")
       ->capture_default_str();
-  cmd->add_option("--temperature", opts->temperature, "sampling temperature, 0 = greedy")->capture_default_str();
+  cmd->add_option("--temperature", opts->temperature, "sampling temperature, 0 = greedy")
+      ->capture_default_str();
   cmd->add_option("--top-p", opts->top_p, "nucleus sampling mass in (0, 1], 1 = off")->capture_default_str();
   cmd->add_option("--seed", opts->seed, "random seed (default: from the clock, printed on stderr)")
       ->check(CLI::Validator(

@@ -22,7 +22,8 @@ using namespace qkv;
 namespace {
 
 const fs::path kDir = fs::path(QKV_SHARED_DIR) / "models/stories260K";
-const std::string kStart = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.";
+const std::string kStart =
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.";
 
 const Llama2cModel& v0() {
   static const Llama2cModel m = read_llama2c(kDir / "stories260K.bin");
@@ -119,7 +120,8 @@ TEST(Llama, FastPathMatchesFloat64ReferenceOver64Tokens) {
       int best = 0;
       for (int j = 1; j < V; ++j)
         if (ref[t * V + j] > ref[t * V + best]) best = j;
-      const int fast = t + 1 < fed.size() ? fed[t + 1] : argmax(std::span<const float>(r.logits.data() + t * V, V));
+      const int fast =
+          t + 1 < fed.size() ? fed[t + 1] : argmax(std::span<const float>(r.logits.data() + t * V, V));
       EXPECT_EQ(best, fast) << "position " << t;
     }
   }
@@ -150,13 +152,30 @@ TEST(Llama, PrefillThenDecodeEqualsAllAtOnce) {
   for (int j = 0; j < 512; ++j) EXPECT_NEAR(last.data_as<const float>()[j], a[47 * 512 + j], 1e-4);
 }
 
+TEST(Llama, Llama2cFloatAnglesAgreeWithExactAngles) {
+  LlamaOptions o;
+  o.rope_angles = RopeAngles::llama2c_f32;
+  Llama a(v0()), b(v0(), o);
+  const std::vector<int> t = tok().encode("Once upon a time, there was a little girl named Lily.");
+  const TensorView la = a.forward(t, true), lb = b.forward(t, true);
+  double err = 0.0;
+  for (std::int64_t i = 0; i < la.numel(); ++i)
+    err = std::max(err, std::fabs(double{la.data_as<const float>()[i]} - lb.data_as<const float>()[i]));
+  EXPECT_LE(err, 1e-4);
+  // A moved-from runner hands its state over.
+  Llama c(std::move(b));
+  EXPECT_EQ(c.length(), static_cast<std::int64_t>(t.size()));
+  EXPECT_EQ(c.options().rope_angles, RopeAngles::llama2c_f32);
+}
+
 TEST(Llama, Q80AndFloat32CheckpointsGiveTheSameLogits) {
   const Llama2cModel q80 = read_llama2c(kDir / "stories260K_q80.bin");
   const std::vector<int> t = tok().encode("The cat sat on the mat.");
   Llama a(v0()), b(q80);
   const TensorView la = a.forward(t, true), lb = b.forward(t, true);
   ASSERT_EQ(la.numel(), lb.numel());
-  for (std::int64_t i = 0; i < la.numel(); ++i) ASSERT_EQ(la.data_as<const float>()[i], lb.data_as<const float>()[i]);
+  for (std::int64_t i = 0; i < la.numel(); ++i)
+    ASSERT_EQ(la.data_as<const float>()[i], lb.data_as<const float>()[i]);
 }
 
 // The inspection hook: q, k, v of every layer and position, and attention weights that are the
@@ -192,7 +211,8 @@ TEST(Llama, AttentionWeightsFromRecordedQueriesAndCachedKeys) {
         for (double& x : s) sum += x = std::exp(x - mx);
         double row = 0.0;
         for (std::int64_t j = 0; j <= pos; ++j) {
-          EXPECT_NEAR(w.data_as<const double>()[h * (pos + 1) + j], s[static_cast<std::size_t>(j)] / sum, 1e-12);
+          EXPECT_NEAR(w.data_as<const double>()[h * (pos + 1) + j], s[static_cast<std::size_t>(j)] / sum,
+                      1e-12);
           row += w.data_as<const double>()[h * (pos + 1) + j];
         }
         EXPECT_NEAR(row, 1.0, 1e-12);
@@ -216,8 +236,8 @@ TEST(Llama, GenerateStopsAtStepsAndReportsCounts) {
   ASSERT_EQ(prompt.size(), 5u);
   std::vector<std::pair<int, int>> seen;
   GenerationStats st;
-  const std::vector<int> seq =
-      generate(model, prompt, 20, greedy, [&](int a, int b) { seen.emplace_back(a, b); }, &st);
+  const std::vector<int> seq = generate(
+      model, prompt, 20, greedy, [&](int a, int b) { seen.emplace_back(a, b); }, &st);
   // 20 positions fed: 5 prompt + 15 decoded; 16 sampled tokens (the last one is not fed).
   EXPECT_EQ(model.length(), 20);
   EXPECT_EQ(seq.size(), 21u);
@@ -262,7 +282,7 @@ TEST(Llama, BadInput) {
   model.forward(std::span<const int>(long_seq.data(), 512));
   EXPECT_THROW(model.forward(std::vector<int>{5}), Error);  // the cache is full
   EXPECT_THROW(generate(model, prompt, 513, greedy), Error);
-  EXPECT_THROW(generate(model, prompt, 4, greedy), Error);   // fewer steps than prompt tokens
+  EXPECT_THROW(generate(model, prompt, 4, greedy), Error);  // fewer steps than prompt tokens
   EXPECT_THROW(generate(model, {}, 10, greedy), Error);
   EXPECT_THROW(generate(model, long_seq, 512, greedy), Error);
   EXPECT_THROW(Llama(Llama2cModel{}), Error);
@@ -306,7 +326,8 @@ TEST(Sampler, FrequenciesFollowTheSoftmax) {
   std::vector<int> count(4, 0);
   const int n = 40000;
   for (int i = 0; i < n; ++i) ++count[static_cast<std::size_t>(s.sample(l))];
-  for (int j = 0; j < 4; ++j) EXPECT_NEAR(count[static_cast<std::size_t>(j)] / double(n), p[static_cast<std::size_t>(j)], 0.01);
+  for (int j = 0; j < 4; ++j)
+    EXPECT_NEAR(count[static_cast<std::size_t>(j)] / double(n), p[static_cast<std::size_t>(j)], 0.01);
   // Temperature 0.5 squares the odds: p^2 normalised.
   Sampler cold({0.5, 1.0, 5});
   std::fill(count.begin(), count.end(), 0);
@@ -314,7 +335,8 @@ TEST(Sampler, FrequenciesFollowTheSoftmax) {
   double z = 0.0;
   for (double x : p) z += x * x;
   for (int j = 0; j < 4; ++j)
-    EXPECT_NEAR(count[static_cast<std::size_t>(j)] / double(n), p[static_cast<std::size_t>(j)] * p[static_cast<std::size_t>(j)] / z, 0.01);
+    EXPECT_NEAR(count[static_cast<std::size_t>(j)] / double(n),
+                p[static_cast<std::size_t>(j)] * p[static_cast<std::size_t>(j)] / z, 0.01);
 }
 
 TEST(Sampler, TopPKeepsOnlyTheNucleus) {

@@ -130,7 +130,8 @@ struct GenerationStats {
 ///         [prompt size, max_seq_len], or a token outside the vocabulary.
 std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
                           const std::function<int(std::span<const float>)>& sample,
-                          const std::function<void(int, int)>& on_token = {}, GenerationStats* stats = nullptr);
+                          const std::function<void(int, int)>& on_token = {},
+                          GenerationStats* stats = nullptr);
 
 namespace reference {
 

@@ -21,7 +21,8 @@ namespace {
 std::string s(std::int64_t x) { return std::to_string(x); }
 
 // c[M, N] = a[M, K] w[N, K]^T + beta * c (row-major; w is a Linear-layout [out, in] matrix).
-void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c, int ldc) {
+void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c,
+             int ldc) {
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, lda, w, ldw, beta, c, ldc);
 }
 
@@ -118,11 +119,12 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
   if (S == 0) throw Error("llama: tokens: expected at least one token, got none");
   check_tokens(tokens, m.vocab, "llama: tokens");
   if (S > m.max_seq - m.length)
-    throw Error("llama: tokens: " + s(S) + " more tokens at position " + s(m.length) + " exceed max_seq_len (" +
-                s(m.length + S) + " > " + s(m.max_seq) + ")");
+    throw Error("llama: tokens: " + s(S) + " more tokens at position " + s(m.length) +
+                " exceed max_seq_len (" + s(m.length + S) + " > " + s(m.max_seq) + ")");
   const int dim = m.dim, kv = m.kv_dim, hid = m.hidden, Si = static_cast<int>(S);
   const int N = dim + 2 * kv;
-  Tensor x(DType::f32, {S, dim}), xb(DType::f32, {S, dim}), qkv(DType::f32, {S, N}), att(DType::f32, {S, dim});
+  Tensor x(DType::f32, {S, dim}), xb(DType::f32, {S, dim}), qkv(DType::f32, {S, N}),
+      att(DType::f32, {S, dim});
   Tensor h13(DType::f32, {S, 2 * hid}), hb(DType::f32, {S, hid});
   float* xd = x.data_as<float>();
   float* xbd = xb.data_as<float>();
@@ -148,7 +150,8 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
   for (int l = 0; l < m.L; ++l) {
     const Llama2cLayer& w = m.model.layers[static_cast<std::size_t>(l)];
     rmsnorm(xd, w.rms_att.data_as<const float>(), xbd, S, dim);
-    gemm_nt(Si, N, dim, xbd, dim, m.wqkv[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f, qd, N);
+    gemm_nt(Si, N, dim, xbd, dim, m.wqkv[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f, qd,
+            N);
     apply_rope(q, pos, rope);
     apply_rope(k, pos, rope);
     if (m.options.record_queries) {
@@ -167,8 +170,8 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
     gemm_nt(Si, dim, dim, att.data_as<const float>(), dim, w.wo.data_as<const float>(), dim, 1.0f, xd, dim);
     rmsnorm(xd, w.rms_ffn.data_as<const float>(), xbd, S, dim);
     float* h = h13.data_as<float>();
-    gemm_nt(Si, 2 * hid, dim, xbd, dim, m.w13[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f, h,
-            2 * hid);
+    gemm_nt(Si, 2 * hid, dim, xbd, dim, m.w13[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f,
+            h, 2 * hid);
     float* g = hb.data_as<float>();
     for (std::int64_t t = 0; t < S; ++t)
       for (int i = 0; i < hid; ++i) {
@@ -188,14 +191,16 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
 
 const KVCache& Llama::cache(int layer) const {
   if (layer < 0 || layer >= impl_->L)
-    throw Error("llama: layer: expected an index in [0, n_layers) = [0, " + s(impl_->L) + "), got " + s(layer));
+    throw Error("llama: layer: expected an index in [0, n_layers) = [0, " + s(impl_->L) + "), got " +
+                s(layer));
   return impl_->caches[static_cast<std::size_t>(layer)];
 }
 
 TensorView Llama::queries(int layer) const {
   cache(layer);
   if (!impl_->options.record_queries)
-    throw Error("llama: queries: not recorded (construct the model with LlamaOptions::record_queries = true)");
+    throw Error(
+        "llama: queries: not recorded (construct the model with LlamaOptions::record_queries = true)");
   return TensorView(impl_->rec_q[static_cast<std::size_t>(layer)].data(), DType::f32,
                     {impl_->length, impl_->Hq, impl_->D});
 }
@@ -215,7 +220,8 @@ TensorView Llama::values(int layer) const {
 Tensor Llama::attention_weights(int layer, std::int64_t pos) const {
   const TensorView qs = queries(layer);
   if (pos < 0 || pos >= impl_->length)
-    throw Error("llama: pos: expected a position in [0, length()) = [0, " + s(impl_->length) + "), got " + s(pos));
+    throw Error("llama: pos: expected a position in [0, length()) = [0, " + s(impl_->length) + "), got " +
+                s(pos));
   const std::int64_t Hq = impl_->Hq, Hkv = impl_->Hkv, D = impl_->D, Sk = pos + 1;
   // Widen q of this position and keys 0..pos to float64 (exact), then the reference's probs.
   Tensor q(DType::f64, {1, Hq, 1, D}), k(DType::f64, {1, Hkv, Sk, D}), o(DType::f64, {1, Hq, 1, D});
@@ -244,8 +250,8 @@ std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
     throw Error("generate: prompt: " + s(n) + " tokens (BOS included) exceed the model's max_seq_len (" +
                 s(c.max_seq_len) + ")");
   if (steps < n || steps > c.max_seq_len)
-    throw Error("generate: steps: expected a count of positions in [prompt tokens, max_seq_len] = [" + s(n) + ", " +
-                s(c.max_seq_len) + "], got " + s(steps));
+    throw Error("generate: steps: expected a count of positions in [prompt tokens, max_seq_len] = [" + s(n) +
+                ", " + s(c.max_seq_len) + "], got " + s(steps));
   check_tokens(prompt, c.vocab_size, "generate: prompt");
   using clock = std::chrono::steady_clock;
   GenerationStats st;
@@ -253,12 +259,14 @@ std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
   std::vector<int> seq(prompt.begin(), prompt.end());
   model.reset();
   if (on_token)
-    for (std::int64_t i = 1; i < n; ++i) on_token(seq[static_cast<std::size_t>(i - 1)], seq[static_cast<std::size_t>(i)]);
+    for (std::int64_t i = 1; i < n; ++i)
+      on_token(seq[static_cast<std::size_t>(i - 1)], seq[static_cast<std::size_t>(i)]);
   auto t0 = clock::now();
   TensorView logits = model.forward(prompt);
   st.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
   while (true) {
-    const int next = sample(std::span<const float>(logits.data_as<const float>(), static_cast<std::size_t>(c.vocab_size)));
+    const int next =
+        sample(std::span<const float>(logits.data_as<const float>(), static_cast<std::size_t>(c.vocab_size)));
     if (next == Tokenizer::bos_id) break;
     if (next < 0 || next >= c.vocab_size)
       throw Error("generate: sample: returned token " + s(next) + ", expected [0, " + s(c.vocab_size) + ")");

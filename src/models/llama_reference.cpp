@@ -13,8 +13,8 @@ namespace qkv::reference {
 namespace {
 
 // y[t, o] = sum_i x[t, i] W[o, i] for a float32 [out, in] matrix, all in double.
-void matmul(const std::vector<double>& x, std::int64_t S, std::int64_t in, const TensorView& w, std::int64_t out,
-            double* y, std::int64_t ldy) {
+void matmul(const std::vector<double>& x, std::int64_t S, std::int64_t in, const TensorView& w,
+            std::int64_t out, double* y, std::int64_t ldy) {
   const auto* wd = w.data_as<const float>();
   for (std::int64_t t = 0; t < S; ++t)
     for (std::int64_t o = 0; o < out; ++o) {
@@ -24,12 +24,14 @@ void matmul(const std::vector<double>& x, std::int64_t S, std::int64_t in, const
     }
 }
 
-std::vector<double> rmsnorm(const std::vector<double>& x, const TensorView& gain, std::int64_t S, std::int64_t dim) {
+std::vector<double> rmsnorm(const std::vector<double>& x, const TensorView& gain, std::int64_t S,
+                            std::int64_t dim) {
   std::vector<double> y(x.size());
   const auto* g = gain.data_as<const float>();
   for (std::int64_t t = 0; t < S; ++t) {
     double ss = 0.0;
-    for (std::int64_t i = 0; i < dim; ++i) ss += x[static_cast<std::size_t>(t * dim + i)] * x[static_cast<std::size_t>(t * dim + i)];
+    for (std::int64_t i = 0; i < dim; ++i)
+      ss += x[static_cast<std::size_t>(t * dim + i)] * x[static_cast<std::size_t>(t * dim + i)];
     const double inv = 1.0 / std::sqrt(ss / static_cast<double>(dim) + Llama::rms_eps);
     for (std::int64_t i = 0; i < dim; ++i)
       y[static_cast<std::size_t>(t * dim + i)] = g[i] * (inv * x[static_cast<std::size_t>(t * dim + i)]);

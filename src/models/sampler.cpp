@@ -20,7 +20,8 @@ int argmax(std::span<const float> values) {
 
 Sampler::Sampler(const SamplerConfig& config) : cfg_(config), state_(config.seed) {
   if (!std::isfinite(cfg_.temperature) || cfg_.temperature < 0)
-    throw Error("temperature: expected a finite number >= 0 (0 = greedy), got " + std::to_string(cfg_.temperature));
+    throw Error("temperature: expected a finite number >= 0 (0 = greedy), got " +
+                std::to_string(cfg_.temperature));
   if (!(cfg_.top_p > 0 && cfg_.top_p <= 1))
     throw Error("top_p: expected a number in (0, 1], got " + std::to_string(cfg_.top_p));
   if (cfg_.seed == 0) throw Error("seed: expected a nonzero seed (xorshift state), got 0");
