@@ -7,6 +7,7 @@ namespace qkv::cli {
 void add_attend(CLI::App& app);
 void add_demo(CLI::App& app);
 void add_explain(CLI::App& app);
+void add_generate(CLI::App& app);
 void add_info(CLI::App& app);
 void add_mha(CLI::App& app);
 }  // namespace qkv::cli

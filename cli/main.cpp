@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_attend(app);
   qkv::cli::add_demo(app);
   qkv::cli::add_explain(app);
+  qkv::cli::add_generate(app);
   qkv::cli::add_info(app);
   qkv::cli::add_mha(app);
   try {

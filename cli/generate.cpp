@@ -1,0 +1,123 @@
+// `qkv generate`: text from a llama2.c checkpoint (a Llama-2 model running on qkv's attention),
+// printed as it is produced, with prefill and decode speed on stderr at the end.
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "models.hpp"
+#include "qkv/error.hpp"
+#include "qkv/llama.hpp"
+#include "qkv/sampler.hpp"
+#include "qkv/tokenizer.hpp"
+
+namespace qkv::cli {
+namespace {
+
+struct GenerateOptions {
+  std::string model = default_model_path().string();
+  std::string tokenizer = default_tokenizer_path().string();
+  std::string prompt;
+  int steps = 256;
+  double temperature = 1.0;
+  double top_p = 0.9;
+  std::uint64_t seed = 0;  // 0: from the clock, as llama2.c
+  bool reference = false;
+  int threads = 0;
+};
+
+double rate(std::int64_t n, double seconds) { return seconds > 0 ? static_cast<double>(n) / seconds : 0.0; }
+
+void run_generate(const GenerateOptions& o) {
+  // Checked before the files are read, so a bad flag is named even when the files are fine.
+  if (!std::isfinite(o.temperature) || o.temperature < 0)
+    throw Error("--temperature: expected a number >= 0 (0 = greedy), got " + std::to_string(o.temperature));
+  if (!(o.top_p > 0 && o.top_p <= 1))
+    throw Error("--top-p: expected a number in (0, 1], got " + std::to_string(o.top_p));
+  if (o.steps < 1) throw Error("--steps: expected a count >= 1, got " + std::to_string(o.steps));
+  Llama2cModel weights;
+  Tokenizer tok;
+  try {
+    weights = read_llama2c(o.model);
+  } catch (const Error& e) {
+    throw Error(std::string("--model: ") + e.what());
+  }
+  try {
+    tok = read_tokenizer(o.tokenizer, weights.config.vocab_size);
+  } catch (const Error& e) {
+    throw Error(std::string("--tokenizer: ") + e.what());
+  }
+  const int max_seq = weights.config.max_seq_len;
+  if (o.steps > max_seq)
+    throw Error("--steps: expected at most the model's max_seq_len (" + std::to_string(max_seq) + "), got " +
+                std::to_string(o.steps));
+  const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false);
+  const auto n = static_cast<int>(prompt.size());
+  if (n > max_seq)
+    throw Error("--prompt: " + std::to_string(n) + " tokens (BOS included) exceed the model's max_seq_len (" +
+                std::to_string(max_seq) + ")");
+  if (n > o.steps)
+    throw Error("--steps: expected at least the prompt's " + std::to_string(n) +
+                " tokens (BOS included), got " + std::to_string(o.steps));
+  SamplerConfig sc;
+  sc.temperature = o.temperature;
+  sc.top_p = o.top_p;
+  sc.seed = o.seed;
+  if (sc.seed == 0)
+    sc.seed = static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) | 1u;
+  Sampler sampler(sc);
+  LlamaOptions lo;
+  lo.attention_kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
+  lo.num_threads = o.threads;
+  Llama model(weights, lo);
+  GenerationStats st;
+  generate(
+      model, prompt, o.steps, [&](std::span<const float> logits) { return sampler.sample(logits); },
+      [&](int prev, int token) {
+        const std::string_view piece = printable_piece(tok.decode(prev, token));
+        std::fwrite(piece.data(), 1, piece.size(), stdout);
+        std::fflush(stdout);
+      },
+      &st);
+  std::printf("\n");
+  std::fflush(stdout);
+  std::fprintf(stderr,
+               "prefill: %lld tokens in %.3f ms (%.0f tok/s); decode: %lld tokens in %.3f ms (%.0f tok/s)",
+               static_cast<long long>(st.prompt_tokens), st.prefill_seconds * 1e3,
+               rate(st.prompt_tokens, st.prefill_seconds), static_cast<long long>(st.decode_steps),
+               st.decode_seconds * 1e3, rate(st.decode_steps, st.decode_seconds));
+  if (o.temperature > 0) std::fprintf(stderr, "; seed %llu", static_cast<unsigned long long>(sc.seed));
+  std::fprintf(stderr, "\n");
+}
+
+}  // namespace
+
+void add_generate(CLI::App& app) {
+  auto opts = std::make_shared<GenerateOptions>();
+  auto* cmd =
+      app.add_subcommand("generate", "Generate text with a llama2.c checkpoint (Llama-2 on qkv attention)");
+  cmd->add_option("--model", opts->model, "llama2.c checkpoint (version 0 float32 or version 2 Q8_0)")
+      ->capture_default_str();
+  cmd->add_option("--tokenizer", opts->tokenizer, "llama2.c tokenizer.bin")->capture_default_str();
+  cmd->add_option("--prompt", opts->prompt, "text to continue (BOS and a leading space are added)");
+  cmd->add_option("--steps", opts->steps, "positions to run, the prompt's tokens included (<= max_seq_len)")
+      ->capture_default_str();
+  cmd->add_option("--temperature", opts->temperature, "sampling temperature, 0 = greedy")
+      ->capture_default_str();
+  cmd->add_option("--top-p", opts->top_p, "nucleus sampling mass in (0, 1], 1 = off")->capture_default_str();
+  cmd->add_option("--seed", opts->seed, "random seed (default: from the clock, printed on stderr)")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            return !v.empty() && v.find_first_not_of("0123456789") == std::string::npos
+                       ? std::string()
+                       : "expected a non-negative integer, got '" + v + "'";
+          },
+          "UINT"));
+  cmd->add_flag("--reference", opts->reference, "run every attention call on the float64 reference kernel");
+  cmd->add_option("--threads", opts->threads, "threads per attention call (0 = OpenMP default)");
+  cmd->callback([opts] { run_generate(*opts); });
+}
+
+}  // namespace qkv::cli

@@ -1,0 +1,146 @@
+#pragma once
+/// @file llama.hpp
+/// A Llama-2 decoder forward pass built from qkv's layers, for llama2.c checkpoints (llama2c.hpp).
+///
+/// Architecture (Touvron et al. 2023, "Llama 2", sec. 2.2, with the details of Meta's reference
+/// code and of llama2.c's run.c, https://github.com/karpathy/llama2.c, MIT licence). Per token,
+/// x = token_embedding[token]; then for each of the n_layers blocks:
+///   h = RMSNorm(x) * rms_att                       (Zhang & Sennrich 2019, eps = 1e-5)
+///   q = h Wq^T, k = h Wk^T, v = h Wv^T             heads: q [Hq, D], k and v [Hkv, D]
+///   q, k rotated by RoPE, interleaved pairs (2j, 2j+1), theta 10000, at the token's position
+///   k, v appended to the layer's KVCache; o = causal attention of q over the cache (GQA: query
+///   head h reads KV head h / (Hq/Hkv)), scale 1/sqrt(D)
+///   x += o Wo^T
+///   h = RMSNorm(x) * rms_ffn
+///   x += (SiLU(h W1^T) * (h W3^T)) W2^T            (SwiGLU, Shazeer 2020)
+/// then logits = (RMSNorm(x) * rms_final) Wcls^T (Wcls = token_embedding when shared).
+///
+/// Execution: all projections are cblas_sgemm calls over the rows of every token of the call
+/// (a prefill of S tokens is one [S, dim] x [dim, N] GEMM per projection; q, k and v share one
+/// GEMM, as do W1 and W3: the loader packs those weights); attention runs through
+/// KVCache::attend, i.e. qkv::attention() with Sq = S (the fused kernel for a prefill, the decode
+/// kernel for S = 1 where the dispatcher picks them), or the float64 reference when
+/// LlamaOptions::attention_kernel says so. Activations are float32.
+///
+/// Inspection: with LlamaOptions::record_queries, the post-RoPE queries of every position are kept,
+/// so that queries(l), keys(l), values(l) give the q, k, v of layer l for the whole run and
+/// attention_weights(l, pos) recomputes the attention weights of one position (used by
+/// `qkv demo`). The float64 reference::llama_forward() is the executable specification of the
+/// whole forward pass.
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/kv_cache.hpp"
+#include "qkv/llama2c.hpp"
+#include "qkv/rope.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv {
+
+/// Options of a Llama runner.
+struct LlamaOptions {
+  /// Kernel of every attention call: automatic (the dispatcher's choice: fused/decode kernels),
+  /// or KernelKind::reference to force the float64 reference kernel.
+  KernelKind attention_kernel = KernelKind::automatic;
+  /// Threads inside each attention call (0 = OpenMP's default). GEMMs use OpenBLAS's own setting.
+  int num_threads = 0;
+  /// Keep the post-RoPE queries of every position of every layer (n_layers * max_seq_len * dim
+  /// floats) for queries() and attention_weights().
+  bool record_queries = false;
+  /// RoPE angle precision (rope.hpp): f64 (exact) or llama2c_f32 (bit-for-bit llama2.c's floats).
+  RopeAngles rope_angles = RopeAngles::f64;
+};
+
+/// A Llama-2 model with its per-layer KV caches (batch 1): feed tokens, read logits.
+/// Not thread-safe (one sequence, mutated by forward()); copies are not allowed.
+class Llama {
+ public:
+  static constexpr double rms_eps = 1e-5;
+  static constexpr double rope_theta = 10000.0;
+
+  /// Packs the weights (a copy of wq|wk|wv and w1|w3 per layer; the rest is shared with `model`)
+  /// and allocates a KV cache of max_seq_len positions per layer.
+  /// @throws qkv::Error if the model has no layers or weights (a default-constructed model).
+  explicit Llama(const Llama2cModel& model, const LlamaOptions& options = {});
+  Llama(const Llama&) = delete;
+  Llama& operator=(const Llama&) = delete;
+  Llama(Llama&&) noexcept;
+  Llama& operator=(Llama&&) noexcept;
+  ~Llama();
+
+  const Llama2cConfig& config() const noexcept;
+  const LlamaOptions& options() const noexcept;
+  /// Number of positions processed so far (held in the KV caches): the next token's position.
+  std::int64_t length() const noexcept;
+  /// Forgets the sequence (KV caches emptied); weights are kept.
+  void reset() noexcept;
+
+  /// Runs `tokens` at positions length() .. length()+n-1 in one pass: a prefill when n > 1, a
+  /// decode step when n == 1. Returns float32 logits, [n, vocab_size] when all_logits, else
+  /// [1, vocab_size] for the last token only. The view stays valid until the next forward() or
+  /// reset().
+  /// @throws qkv::Error for n == 0, a token outside [0, vocab_size), or length()+n > max_seq_len
+  ///         (nothing is changed then).
+  TensorView forward(std::span<const int> tokens, bool all_logits = false);
+
+  /// The KV cache of layer l: K [1, Hkv, max_seq_len, D] (post-RoPE) and V, length() positions.
+  /// @throws qkv::Error if l is outside [0, n_layers).
+  const KVCache& cache(int layer) const;
+  /// Post-RoPE queries of layer l: float32 [length(), Hq, D] (requires record_queries).
+  /// @throws qkv::Error for a bad layer, or when queries are not recorded.
+  TensorView queries(int layer) const;
+  /// Post-RoPE keys and the values of layer l: float32 [Hkv, length(), D], views into the cache.
+  TensorView keys(int layer) const;
+  TensorView values(int layer) const;
+
+  /// The attention weights of position `pos` in layer `layer`, per query head, over positions
+  /// 0..pos: float64 [Hq, pos+1], each row summing to 1. Recomputed by qkv::reference::attention
+  /// (probs output) from the recorded query and the cached keys, so they are the weights of the
+  /// exact float64 softmax of the scores the run used. Requires record_queries.
+  /// @throws qkv::Error for a bad layer, pos outside [0, length()), or queries not recorded.
+  Tensor attention_weights(int layer, std::int64_t pos) const;
+
+ private:
+  struct Impl;
+  Impl* impl_ = nullptr;
+};
+
+/// Timings and counts of one generate() call.
+struct GenerationStats {
+  std::int64_t prompt_tokens = 0;     ///< tokens prefilled (BOS included)
+  std::int64_t generated_tokens = 0;  ///< tokens sampled (the BOS that stops generation excluded)
+  std::int64_t decode_steps = 0;      ///< single-token forward() calls
+  double prefill_seconds = 0.0;       ///< wall time of the prefill forward()
+  double decode_seconds = 0.0;        ///< wall time of the decode forward() calls
+};
+
+/// Autoregressive generation as llama2.c's generate(): `steps` counts forward positions including
+/// the prompt's (prompt[0] is normally BOS). The whole prompt is prefilled in one forward(); each
+/// sampled token is then fed back one at a time. Generation stops after `steps` positions have
+/// been run (the last sampled token is kept, not fed) or when the sampler returns BOS (token 1,
+/// not kept). `sample` maps the logits [vocab_size] of the newest position to the next token.
+/// `on_token(prev, token)` is called for every token after the first (prompt tokens included, in
+/// order) as soon as it is known, so the caller can print text as it is produced.
+/// The model is reset() first. Returns the sequence: prompt then the sampled tokens.
+/// @throws qkv::Error for an empty prompt, a prompt longer than max_seq_len, steps outside
+///         [prompt size, max_seq_len], or a token outside the vocabulary.
+std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
+                          const std::function<int(std::span<const float>)>& sample,
+                          const std::function<void(int, int)>& on_token = {},
+                          GenerationStats* stats = nullptr);
+
+namespace reference {
+
+/// The float64 specification of Llama::forward(): the same model evaluated from scratch on
+/// `tokens` (positions 0..n-1) with every product, norm, RoPE angle and softmax in double and the
+/// attention by qkv::reference::attention on float64 tensors. Returns the logits [n, vocab_size],
+/// row-major. Cost O(n * parameters + n^2 * dim); meant for tests.
+/// @throws qkv::Error for an empty or too long sequence or a token outside the vocabulary.
+std::vector<double> llama_forward(const Llama2cModel& model, std::span<const int> tokens);
+
+}  // namespace reference
+}  // namespace qkv

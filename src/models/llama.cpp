@@ -1,0 +1,286 @@
+// Llama-2 forward pass (architecture and sources in include/qkv/llama.hpp) on qkv's layers:
+// cblas_sgemm projections over all tokens of a call, apply_rope, KVCache::append/attend.
+#include "qkv/llama.hpp"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "qkv/error.hpp"
+#include "qkv/reference.hpp"
+#include "qkv/tokenizer.hpp"
+
+namespace qkv {
+namespace {
+
+std::string s(std::int64_t x) { return std::to_string(x); }
+
+// c[M, N] = a[M, K] w[N, K]^T + beta * c (row-major; w is a Linear-layout [out, in] matrix).
+void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c,
+             int ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, lda, w, ldw, beta, c, ldc);
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * gain, per row of `dim` floats; the mean in double.
+void rmsnorm(const float* x, const float* gain, float* out, std::int64_t rows, std::int64_t dim) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    double ss = 0.0;
+    for (std::int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const auto inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + Llama::rms_eps));
+    for (std::int64_t i = 0; i < dim; ++i) out[r * dim + i] = gain[i] * (inv * xr[i]);
+  }
+}
+
+void check_tokens(std::span<const int> tokens, int vocab, const char* what) {
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab)
+      throw Error(std::string(what) + ": token " + s(static_cast<std::int64_t>(i)) + " is " + s(tokens[i]) +
+                  ", expected an id in [0, vocab_size) = [0, " + s(vocab) + ")");
+}
+
+}  // namespace
+
+struct Llama::Impl {
+  Llama2cModel model;
+  LlamaOptions options;
+  int dim = 0, kv_dim = 0, hidden = 0, Hq = 0, Hkv = 0, D = 0, vocab = 0, L = 0, max_seq = 0;
+  std::vector<Tensor> wqkv;  // per layer [dim + 2 kv_dim, dim]: rows of wq, wk, wv
+  std::vector<Tensor> w13;   // per layer [2 hidden, dim]: rows of w1, w3
+  std::vector<KVCache> caches;
+  std::vector<Tensor> rec_q;  // per layer [max_seq, Hq, D] when recording
+  Tensor logits;
+  std::int64_t length = 0;
+};
+
+Llama::Llama(const Llama2cModel& model, const LlamaOptions& options) : impl_(new Impl) {
+  Impl& m = *impl_;
+  const Llama2cConfig& c = model.config;
+  if (c.n_layers < 1 || static_cast<int>(model.layers.size()) != c.n_layers || !model.storage ||
+      model.token_embedding.data() == nullptr) {
+    delete impl_;
+    impl_ = nullptr;
+    throw Error("llama: model: expected a loaded llama2.c checkpoint (read_llama2c), got an empty model");
+  }
+  m.model = model;
+  m.options = options;
+  m.dim = c.dim;
+  m.kv_dim = c.kv_dim;
+  m.hidden = c.hidden_dim;
+  m.Hq = c.n_heads;
+  m.Hkv = c.n_kv_heads;
+  m.D = c.head_dim;
+  m.vocab = c.vocab_size;
+  m.L = c.n_layers;
+  m.max_seq = c.max_seq_len;
+  const auto copy_rows = [](const TensorView& src, float* dst) {
+    std::memcpy(dst, src.data(), static_cast<std::size_t>(src.numel()) * sizeof(float));
+    return dst + src.numel();
+  };
+  for (const Llama2cLayer& layer : model.layers) {
+    Tensor qkv(DType::f32, {m.dim + 2 * m.kv_dim, m.dim});
+    copy_rows(layer.wv, copy_rows(layer.wk, copy_rows(layer.wq, qkv.data_as<float>())));
+    m.wqkv.push_back(std::move(qkv));
+    Tensor w13(DType::f32, {2 * m.hidden, m.dim});
+    copy_rows(layer.w3, copy_rows(layer.w1, w13.data_as<float>()));
+    m.w13.push_back(std::move(w13));
+    m.caches.emplace_back(1, m.Hkv, m.max_seq, m.D);
+    if (options.record_queries) m.rec_q.emplace_back(DType::f32, Shape{m.max_seq, m.Hq, m.D});
+  }
+}
+
+Llama::Llama(Llama&& o) noexcept : impl_(std::exchange(o.impl_, nullptr)) {}
+Llama& Llama::operator=(Llama&& o) noexcept {
+  if (this != &o) {
+    delete impl_;
+    impl_ = std::exchange(o.impl_, nullptr);
+  }
+  return *this;
+}
+Llama::~Llama() { delete impl_; }
+
+const Llama2cConfig& Llama::config() const noexcept { return impl_->model.config; }
+const LlamaOptions& Llama::options() const noexcept { return impl_->options; }
+std::int64_t Llama::length() const noexcept { return impl_->length; }
+
+void Llama::reset() noexcept {
+  for (KVCache& c : impl_->caches) c.clear();
+  impl_->length = 0;
+}
+
+TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
+  Impl& m = *impl_;
+  const auto S = static_cast<std::int64_t>(tokens.size());
+  if (S == 0) throw Error("llama: tokens: expected at least one token, got none");
+  check_tokens(tokens, m.vocab, "llama: tokens");
+  if (S > m.max_seq - m.length)
+    throw Error("llama: tokens: " + s(S) + " more tokens at position " + s(m.length) +
+                " exceed max_seq_len (" + s(m.length + S) + " > " + s(m.max_seq) + ")");
+  const int dim = m.dim, kv = m.kv_dim, hid = m.hidden, Si = static_cast<int>(S);
+  const int N = dim + 2 * kv;
+  Tensor x(DType::f32, {S, dim}), xb(DType::f32, {S, dim}), qkv(DType::f32, {S, N}),
+      att(DType::f32, {S, dim});
+  Tensor h13(DType::f32, {S, 2 * hid}), hb(DType::f32, {S, hid});
+  float* xd = x.data_as<float>();
+  float* xbd = xb.data_as<float>();
+  float* qd = qkv.data_as<float>();
+  for (std::int64_t t = 0; t < S; ++t)
+    std::memcpy(xd + t * dim, m.model.token_embedding.data_as<const float>() + std::int64_t{tokens[t]} * dim,
+                static_cast<std::size_t>(dim) * sizeof(float));
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(S));
+  for (std::int64_t t = 0; t < S; ++t) pos[static_cast<std::size_t>(t)] = m.length + t;
+  RopeConfig rope;
+  rope.style = RopeStyle::interleaved;
+  rope.theta = rope_theta;
+  rope.angles = m.options.rope_angles;
+  AttentionParams ap;
+  ap.causal = true;
+  ap.kernel = m.options.attention_kernel;
+  ap.num_threads = m.options.num_threads;
+  // Heads are strided views of the packed projection rows (BSHD storage seen as BHSD).
+  const TensorView q(qd, DType::f32, {1, m.Hq, S, m.D}, {S * N, m.D, N, 1});
+  const TensorView k(qd + dim, DType::f32, {1, m.Hkv, S, m.D}, {S * N, m.D, N, 1});
+  const TensorView v(qd + dim + kv, DType::f32, {1, m.Hkv, S, m.D}, {S * N, m.D, N, 1});
+  const TensorView o(att.data(), DType::f32, {1, m.Hq, S, m.D}, {S * dim, m.D, dim, 1});
+  for (int l = 0; l < m.L; ++l) {
+    const Llama2cLayer& w = m.model.layers[static_cast<std::size_t>(l)];
+    rmsnorm(xd, w.rms_att.data_as<const float>(), xbd, S, dim);
+    gemm_nt(Si, N, dim, xbd, dim, m.wqkv[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f, qd,
+            N);
+    apply_rope(q, pos, rope);
+    apply_rope(k, pos, rope);
+    if (m.options.record_queries) {
+      float* rq = m.rec_q[static_cast<std::size_t>(l)].data_as<float>();
+      for (std::int64_t t = 0; t < S; ++t)
+        std::memcpy(rq + (m.length + t) * dim, qd + t * N, static_cast<std::size_t>(dim) * sizeof(float));
+    }
+    KVCache& cache = m.caches[static_cast<std::size_t>(l)];
+    cache.append(k, v);
+    try {
+      cache.attend(q, o, ap);
+    } catch (...) {
+      for (int r = 0; r <= l; ++r) m.caches[static_cast<std::size_t>(r)].truncate(m.length);
+      throw;
+    }
+    gemm_nt(Si, dim, dim, att.data_as<const float>(), dim, w.wo.data_as<const float>(), dim, 1.0f, xd, dim);
+    rmsnorm(xd, w.rms_ffn.data_as<const float>(), xbd, S, dim);
+    float* h = h13.data_as<float>();
+    gemm_nt(Si, 2 * hid, dim, xbd, dim, m.w13[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f,
+            h, 2 * hid);
+    float* g = hb.data_as<float>();
+    for (std::int64_t t = 0; t < S; ++t)
+      for (int i = 0; i < hid; ++i) {
+        const float a = h[t * 2 * hid + i];
+        g[t * hid + i] = a / (1.0f + std::exp(-a)) * h[t * 2 * hid + hid + i];  // SiLU(w1 x) * (w3 x)
+      }
+    gemm_nt(Si, dim, hid, g, hid, w.w2.data_as<const float>(), hid, 1.0f, xd, dim);
+  }
+  const std::int64_t first = all_logits ? 0 : S - 1, rows = S - first;
+  rmsnorm(xd + first * dim, m.model.rms_final.data_as<const float>(), xbd, rows, dim);
+  if (m.logits.shape() != Shape{rows, m.vocab}) m.logits = Tensor(DType::f32, {rows, m.vocab});
+  gemm_nt(static_cast<int>(rows), m.vocab, dim, xbd, dim, m.model.wcls.data_as<const float>(), dim, 0.0f,
+          m.logits.data_as<float>(), m.vocab);
+  m.length += S;
+  return m.logits.view();
+}
+
+const KVCache& Llama::cache(int layer) const {
+  if (layer < 0 || layer >= impl_->L)
+    throw Error("llama: layer: expected an index in [0, n_layers) = [0, " + s(impl_->L) + "), got " +
+                s(layer));
+  return impl_->caches[static_cast<std::size_t>(layer)];
+}
+
+TensorView Llama::queries(int layer) const {
+  cache(layer);
+  if (!impl_->options.record_queries)
+    throw Error(
+        "llama: queries: not recorded (construct the model with LlamaOptions::record_queries = true)");
+  return TensorView(impl_->rec_q[static_cast<std::size_t>(layer)].data(), DType::f32,
+                    {impl_->length, impl_->Hq, impl_->D});
+}
+
+TensorView Llama::keys(int layer) const {
+  const KVCache& c = cache(layer);
+  return TensorView(c.keys().data(), DType::f32, {impl_->Hkv, impl_->length, impl_->D},
+                    {c.capacity() * impl_->D, impl_->D, 1});
+}
+
+TensorView Llama::values(int layer) const {
+  const KVCache& c = cache(layer);
+  return TensorView(c.values().data(), DType::f32, {impl_->Hkv, impl_->length, impl_->D},
+                    {c.capacity() * impl_->D, impl_->D, 1});
+}
+
+Tensor Llama::attention_weights(int layer, std::int64_t pos) const {
+  const TensorView qs = queries(layer);
+  if (pos < 0 || pos >= impl_->length)
+    throw Error("llama: pos: expected a position in [0, length()) = [0, " + s(impl_->length) + "), got " +
+                s(pos));
+  const std::int64_t Hq = impl_->Hq, Hkv = impl_->Hkv, D = impl_->D, Sk = pos + 1;
+  // Widen q of this position and keys 0..pos to float64 (exact), then the reference's probs.
+  Tensor q(DType::f64, {1, Hq, 1, D}), k(DType::f64, {1, Hkv, Sk, D}), o(DType::f64, {1, Hq, 1, D});
+  const float* src_q = qs.data_as<const float>() + pos * Hq * D;
+  for (std::int64_t i = 0; i < Hq * D; ++i) q.data_as<double>()[i] = src_q[i];
+  const TensorView ks = keys(layer);
+  for (std::int64_t h = 0; h < Hkv; ++h)
+    for (std::int64_t j = 0; j < Sk; ++j)
+      for (std::int64_t d = 0; d < D; ++d)
+        k.data_as<double>()[(h * Sk + j) * D + d] = ks.data_as<const float>()[h * ks.stride(0) + j * D + d];
+  Tensor probs(DType::f64, {Hq, Sk});
+  AttentionParams p;
+  p.causal = true;
+  // The weights do not depend on v: the keys stand in for it (out is discarded).
+  reference::attention(q, k, k, o, p, std::nullopt, TensorView(probs.data(), DType::f64, {1, Hq, 1, Sk}));
+  return probs;
+}
+
+std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
+                          const std::function<int(std::span<const float>)>& sample,
+                          const std::function<void(int, int)>& on_token, GenerationStats* stats) {
+  const Llama2cConfig& c = model.config();
+  const auto n = static_cast<std::int64_t>(prompt.size());
+  if (n == 0) throw Error("generate: prompt: expected at least one token (BOS), got none");
+  if (n > c.max_seq_len)
+    throw Error("generate: prompt: " + s(n) + " tokens (BOS included) exceed the model's max_seq_len (" +
+                s(c.max_seq_len) + ")");
+  if (steps < n || steps > c.max_seq_len)
+    throw Error("generate: steps: expected a count of positions in [prompt tokens, max_seq_len] = [" + s(n) +
+                ", " + s(c.max_seq_len) + "], got " + s(steps));
+  check_tokens(prompt, c.vocab_size, "generate: prompt");
+  using clock = std::chrono::steady_clock;
+  GenerationStats st;
+  st.prompt_tokens = n;
+  std::vector<int> seq(prompt.begin(), prompt.end());
+  model.reset();
+  if (on_token)
+    for (std::int64_t i = 1; i < n; ++i)
+      on_token(seq[static_cast<std::size_t>(i - 1)], seq[static_cast<std::size_t>(i)]);
+  auto t0 = clock::now();
+  TensorView logits = model.forward(prompt);
+  st.prefill_seconds = std::chrono::duration<double>(clock::now() - t0).count();
+  while (true) {
+    const int next =
+        sample(std::span<const float>(logits.data_as<const float>(), static_cast<std::size_t>(c.vocab_size)));
+    if (next == Tokenizer::bos_id) break;
+    if (next < 0 || next >= c.vocab_size)
+      throw Error("generate: sample: returned token " + s(next) + ", expected [0, " + s(c.vocab_size) + ")");
+    if (on_token) on_token(seq.back(), next);
+    seq.push_back(next);
+    ++st.generated_tokens;
+    if (model.length() >= steps) break;
+    t0 = clock::now();
+    logits = model.forward(std::span<const int>(&seq.back(), 1));
+    st.decode_seconds += std::chrono::duration<double>(clock::now() - t0).count();
+    ++st.decode_steps;
+  }
+  if (stats) *stats = st;
+  return seq;
+}
+
+}  // namespace qkv
