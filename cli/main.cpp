@@ -1,5 +1,5 @@
-// The qkv command: attention on files, a demo, the steps explained, the attention layer, and
-// machine information.
+// The qkv command: attention on files, a demo, the steps explained, text generation, the
+// attention layer, and machine information.
 #include <cstdio>
 #include <exception>
 #include <iostream>
