@@ -231,6 +231,17 @@ TEST(Mha, StridedInputsAndInPlaceOutput) {
   EXPECT_LE(max_err(y, want), 1e-5);
   m.forward(x, x, o);  // y aliases x
   EXPECT_LE(max_err(x, want), 1e-5);
+
+  // One token per batch row, broadcast from a single row (batch stride 0), into a padded output.
+  const Tensor row = random_f32({16}, 8);
+  const TensorView xb(row.data(), DType::f32, {B, 1, 16}, {0, 16, 1});
+  Tensor xr(DType::f32, {B, 1, 16});
+  for (std::int64_t b = 0; b < B; ++b) std::memcpy(xr.data_as<float>() + b * 16, row.data(), 64);
+  const Tensor want1 = mha64(m, xr, xr, {});
+  Tensor ybuf(DType::f32, {B, 1, 24});
+  const TensorView yb(ybuf.data(), DType::f32, {B, 1, 16}, {24, 7, 1});
+  m.forward(xb, yb);
+  EXPECT_LE(max_err(yb, want1), 1e-5);
 }
 
 // Runs the layer over the KV cache in chunks and compares with the full causal forward.
@@ -251,7 +262,22 @@ void check_cached(const MultiHeadAttention& m, const std::vector<std::int64_t>& 
   for (std::int64_t n : chunks) {
     const TensorView xs(x.data_as<float>() + t0 * dm, DType::f32, {B, n, dm}, {T * dm, dm, 1});
     const TensorView ys(y.data_as<float>() + t0 * dm, DType::f32, {B, n, dm}, {T * dm, dm, 1});
-    m.forward(xs, cache, ys, o);
+    // Averaged weights of the new queries over every cached key: rows sum to 1, zero beyond the diagonal.
+    Tensor w(DType::f32, {B, n, t0 + n});
+    MhaOptions ow = o;
+    ow.probs = w.view();
+    ow.average_heads = true;
+    m.forward(xs, cache, ys, ow);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < n; ++i) {
+        double sum = 0;
+        for (std::int64_t j = 0; j < t0 + n; ++j) {
+          const float pj = w.data_as<float>()[(b * n + i) * (t0 + n) + j];
+          sum += pj;
+          if (j > t0 + i) EXPECT_EQ(pj, 0.0f);
+        }
+        EXPECT_NEAR(sum, 1.0, 1e-5);
+      }
     t0 += n;
   }
   double e = 0;

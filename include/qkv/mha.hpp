@@ -60,7 +60,8 @@ struct MhaOptions {
   std::span<const std::int64_t> k_positions;
   /// Optional attention weights (written): float32 [B, Hq, Sq, Sk], or [B, Sq, Sk] averaged over
   /// the heads when average_heads (PyTorch `average_attn_weights=True`). Requires a kernel that
-  /// can return them (the reference always can).
+  /// can return them (the reference always can). With a KV cache, Sk is the cache's max_length()
+  /// after the new tokens are appended.
   std::optional<TensorView> probs;
   bool average_heads = false;
 };

@@ -22,31 +22,40 @@ namespace {
 
 std::string s(std::int64_t x) { return std::to_string(x); }
 
-// y[r, :] = x[r, :] W^T + bias over the rows of a [B, S, K] view (contiguous last dim) into a
-// [B, S, N] destination with row stride ldc and batch stride sbc (elements).
+// Pitch (elements) between consecutive flattened (b, s) rows of a [B, S, width] layout with
+// strides s0, s1, or 0 if the rows are not evenly spaced at >= width apart.
+std::int64_t row_pitch(std::int64_t B, std::int64_t S, std::int64_t s0, std::int64_t s1, std::int64_t width) {
+  std::int64_t pitch = 0;
+  if (B * S <= 1) pitch = width;
+  else if (S == 1) pitch = s0;
+  else if (B == 1 || s0 == S * s1) pitch = s1;
+  return pitch >= width ? pitch : 0;
+}
+
+// c[b, s, :] = x[b, s, :] W^T + bias for a [B, S, K] view x (contiguous last dim) and a
+// [B, S, N] destination with strides (sbc, ldc, 1). One GEMM over all B*S rows when both sides
+// are evenly spaced, else one per batch row.
 void linear(const TensorView& x, const float* w, std::int64_t ldw, std::int64_t N, const float* bias, float* c,
             std::int64_t sbc, std::int64_t ldc) {
   const std::int64_t B = x.size(0), S = x.size(1), K = x.size(2);
   if (B == 0 || S == 0 || N == 0) return;
   const auto* xd = x.data_as<const float>();
-  auto fill_bias = [&](float* dst, std::int64_t rows) {
-    for (std::int64_t r = 0; r < rows; ++r) {
-      if (bias) std::memcpy(dst + r * ldc, bias, static_cast<std::size_t>(N) * sizeof(float));
-      else std::fill(dst + r * ldc, dst + r * ldc + N, 0.0f);
+  const std::int64_t xp = row_pitch(B, S, x.stride(0), x.stride(1), K), cp = row_pitch(B, S, sbc, ldc, N);
+  auto gemm = [&](const float* a, std::int64_t lda, float* cb, std::int64_t ldcb, std::int64_t M) {
+    for (std::int64_t r = 0; r < M; ++r) {
+      if (bias) std::memcpy(cb + r * ldcb, bias, static_cast<std::size_t>(N) * sizeof(float));
+      else std::fill(cb + r * ldcb, cb + r * ldcb + N, 0.0f);
     }
-  };
-  const std::int64_t lda = S > 1 ? x.stride(1) : K;
-  // One GEMM over all B*S rows when both sides step uniformly from batch to batch.
-  const bool merged = B == 1 || (x.stride(0) == S * lda && sbc == S * ldc);
-  const std::int64_t blocks = merged ? 1 : B, M = merged ? B * S : S;
-  for (std::int64_t b = 0; b < blocks; ++b) {
-    float* cb = c + b * sbc;
-    fill_bias(cb, M);
-    if (K == 0) continue;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
-                1.0f, xd + b * x.stride(0), static_cast<int>(std::max<std::int64_t>(lda, K)), w,
-                static_cast<int>(ldw), 1.0f, cb, static_cast<int>(ldc));
+                1.0f, a, static_cast<int>(lda), w, static_cast<int>(ldw), 1.0f, cb, static_cast<int>(ldcb));
+  };
+  if (xp && cp) {
+    gemm(xd, xp, c, cp, B * S);
+    return;
   }
+  // Per batch row: within a batch the rows are S apart at stride(1) (>= width, checked), or a single row.
+  for (std::int64_t b = 0; b < B; ++b)
+    gemm(xd + b * x.stride(0), S > 1 ? x.stride(1) : K, c + b * sbc, S > 1 ? ldc : N, S);
 }
 
 void check_act(const TensorView& t, const char* name, const char* axes, std::int64_t d_model) {
@@ -65,7 +74,8 @@ void check_act(const TensorView& t, const char* name, const char* axes, std::int
   if (t.size(1) > 1 && t.stride(1) < t.size(2))
     throw Error(std::string("mha: ") + name + ": rows overlap (stride of S " + s(t.stride(1)) + " < d_model)");
   if (t.size(1) > std::numeric_limits<int>::max() / std::max<std::int64_t>(1, t.size(0)) ||
-      t.size(2) > std::numeric_limits<int>::max())
+      t.size(2) > std::numeric_limits<int>::max() || t.stride(0) > std::numeric_limits<int>::max() ||
+      t.stride(1) > std::numeric_limits<int>::max())
     throw Error(std::string("mha: ") + name + ": shape " + shape_str(t.shape()) + " exceeds the BLAS int range");
   checked_numel(t.shape(), 4, name);
   if (!t.data() && t.numel() > 0) throw Error(std::string("mha: ") + name + ": data pointer is null");
@@ -283,13 +293,25 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
-  if (options.probs && options.average_heads)
-    throw Error("mha: probs: average_heads is not supported with a KV cache; request [B,Hq,Sq,Sk] weights");
   // Appending first makes the new tokens visible to their own queries (the diagonal).
   const std::vector<std::int64_t> saved(cache.lengths().begin(), cache.lengths().end());
   cache.append(k, v);
   try {
-    cache.attend(q, ov, options.attention, std::nullopt, options.probs);
+    const std::int64_t Sk = cache.max_length();
+    std::optional<Tensor> all_probs;
+    std::optional<TensorView> probs_view = options.probs;
+    if (options.probs && options.average_heads) {
+      const TensorView& p = *options.probs;
+      if (p.rank() != 3 || p.size(0) != B || p.size(1) != S || p.size(2) != Sk)
+        throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, S, Sk}) +
+                    " (averaged over heads; Sk = the cache's max length after this call), got " + shape_str(p.shape()));
+      if (p.dtype() != DType::f32)
+        throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
+      all_probs.emplace(DType::f32, Shape{B, Hq, S, Sk});
+      probs_view = all_probs->view();
+    }
+    cache.attend(q, ov, options.attention, std::nullopt, probs_view);
+    if (all_probs) average_heads(*all_probs, *options.probs);
   } catch (...) {
     cache.truncate(saved);  // a refused call leaves the cache as it was
     throw;
