@@ -140,6 +140,9 @@ TEST(KVCache, RaggedAppendsKeepPerSequenceLengths) {
   // sequence's real queries equals attention computed for that sequence alone.
   const Problem pr;
   KVCache cache(pr.B, pr.Hkv, 8, pr.D);
+  // Sequence 1's slots 1 and 2 lie inside the [0, max_length) views but beyond its length.
+  for (const TensorView& s : {cache.keys(), cache.values()})
+    for (std::int64_t i = 0; i < s.numel(); ++i) s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
   const std::vector<std::int64_t> counts{3, 1};
   const auto pos = cache.next_positions(3, counts);
   EXPECT_EQ(pos, (std::vector<std::int64_t>{0, 1, 2, 0, 0, 0}));
@@ -150,6 +153,7 @@ TEST(KVCache, RaggedAppendsKeepPerSequenceLengths) {
   qkv::AttentionParams p;
   p.causal = true;
   cache.attend(rows(pr.q, 0, 3), out, p);
+  for (std::int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data_as<float>()[i])) << i;
   // Sequence 1 holds only token 2 of the input; its last query row sees exactly that key.
   for (std::int64_t h = 0; h < pr.Hq; ++h)
     for (std::int64_t d = 0; d < pr.D; ++d) {
