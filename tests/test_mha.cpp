@@ -428,6 +428,11 @@ TEST(Mha, TorchMaskPolarityIsInverted) {
 }
 
 TEST(Mha, RefusesBadConfigsAndInputs) {
+  {
+    const MultiHeadAttention empty;
+    Tensor x(DType::f32, {1, 1, 4}), y(DType::f32, {1, 1, 4});
+    EXPECT_THROW(empty.forward(x, y), qkv::Error);
+  }
   EXPECT_THROW(MultiHeadAttention(cfg(10, 4, 4)), qkv::Error);  // 10 % 4 without head_dim
   EXPECT_THROW(MultiHeadAttention(cfg(16, 4, 3)), qkv::Error);  // Hq % Hkv
   EXPECT_THROW(MultiHeadAttention(cfg(0, 4, 4)), qkv::Error);

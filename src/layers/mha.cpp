@@ -101,6 +101,33 @@ void average_heads(const Tensor& all, const TensorView& dst) {
       }
 }
 
+// Attention weights requested averaged over the heads are computed per head into a scratch
+// tensor, then averaged into the caller's [B, Sq, Sk] view.
+struct ProbsPlan {
+  std::optional<Tensor> all;
+  std::optional<TensorView> view;  // what qkv::attention() writes
+};
+
+ProbsPlan plan_probs(const MhaOptions& o, std::int64_t B, std::int64_t Hq, std::int64_t Sq, std::int64_t Sk,
+                     const char* sk_note) {
+  ProbsPlan plan;
+  plan.view = o.probs;
+  if (!o.probs || !o.average_heads) return plan;
+  const TensorView& p = *o.probs;
+  if (p.rank() != 3 || p.size(0) != B || p.size(1) != Sq || p.size(2) != Sk)
+    throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, Sq, Sk}) + " (averaged over heads" + sk_note +
+                "), got " + shape_str(p.shape()));
+  if (p.dtype() != DType::f32) throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
+  if (!p.data() && p.numel() > 0) throw Error("mha: probs: data pointer is null");
+  plan.all.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
+  plan.view = plan.all->view();
+  return plan;
+}
+
+void finish_probs(const ProbsPlan& plan, const MhaOptions& o) {
+  if (plan.all) average_heads(*plan.all, *o.probs);
+}
+
 }  // namespace
 
 MultiHeadAttention::MultiHeadAttention(const MhaConfig& config) : cfg_(config) {
@@ -169,7 +196,7 @@ TensorView MultiHeadAttention::b_v() const {
 TensorView MultiHeadAttention::b_o() const { return cfg_.out_bias ? b_o_.view() : TensorView(); }
 
 void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const MhaOptions& options) const {
-  if (w_in_.numel() == 0 && cfg_.d_model == 0) throw Error("mha: the layer has no configuration");
+  if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
   check_act(x, "x", "[B,S,d_model]", cfg_.d_model);
   check_act(y, "y", "[B,S,d_model]", cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
@@ -195,25 +222,16 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
-  std::optional<Tensor> all_probs;
-  std::optional<TensorView> probs_view = options.probs;
-  if (options.probs && options.average_heads) {
-    const TensorView& p = *options.probs;
-    if (p.rank() != 3 || p.size(0) != B || p.size(1) != S || p.size(2) != S)
-      throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, S, S}) +
-                  " (averaged over heads), got " + shape_str(p.shape()));
-    if (p.dtype() != DType::f32) throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
-    all_probs.emplace(DType::f32, Shape{B, Hq, S, S});
-    probs_view = all_probs->view();
-  }
-  attention(q, k, v, ov, options.attention, std::nullopt, probs_view);
-  if (all_probs) average_heads(*all_probs, *options.probs);
+  const ProbsPlan probs = plan_probs(options, B, Hq, S, S, "");
+  attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
+  finish_probs(probs, options);
   linear(o.view(), w_o_.data_as<const float>(), Hq * Dv, cfg_.d_model,
          cfg_.out_bias ? b_o_.data_as<const float>() : nullptr, y.data_as<float>(), y.stride(0), y.stride(1));
 }
 
 void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, const TensorView& y,
                                  const MhaOptions& options) const {
+  if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
   check_act(x_q, "x_q", "[B,Sq,d_model]", cfg_.d_model);
   check_act(x_kv, "x_kv", "[B,Sk,d_model]", cfg_.d_model);
   check_act(y, "y", "[B,Sq,d_model]", cfg_.d_model);
@@ -241,25 +259,16 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
   }
   Tensor o(DType::f32, {B, Sq, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, Sq, Dv}, {Sq * Hq * Dv, Dv, Hq * Dv, 1});
-  std::optional<Tensor> all_probs;
-  std::optional<TensorView> probs_view = options.probs;
-  if (options.probs && options.average_heads) {
-    const TensorView& p = *options.probs;
-    if (p.rank() != 3 || p.size(0) != B || p.size(1) != Sq || p.size(2) != Sk)
-      throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, Sq, Sk}) +
-                  " (averaged over heads), got " + shape_str(p.shape()));
-    if (p.dtype() != DType::f32) throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
-    all_probs.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
-    probs_view = all_probs->view();
-  }
-  attention(q, k, v, ov, options.attention, std::nullopt, probs_view);
-  if (all_probs) average_heads(*all_probs, *options.probs);
+  const ProbsPlan probs = plan_probs(options, B, Hq, Sq, Sk, "");
+  attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
+  finish_probs(probs, options);
   linear(o.view(), w_o_.data_as<const float>(), Hq * Dv, cfg_.d_model,
          cfg_.out_bias ? b_o_.data_as<const float>() : nullptr, y.data_as<float>(), y.stride(0), y.stride(1));
 }
 
 void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const TensorView& y,
                                  const MhaOptions& options) const {
+  if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
   check_act(x, "x", "[B,S,d_model]", cfg_.d_model);
   check_act(y, "y", "[B,S,d_model]", cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
@@ -297,21 +306,10 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   const std::vector<std::int64_t> saved(cache.lengths().begin(), cache.lengths().end());
   cache.append(k, v);
   try {
-    const std::int64_t Sk = cache.max_length();
-    std::optional<Tensor> all_probs;
-    std::optional<TensorView> probs_view = options.probs;
-    if (options.probs && options.average_heads) {
-      const TensorView& p = *options.probs;
-      if (p.rank() != 3 || p.size(0) != B || p.size(1) != S || p.size(2) != Sk)
-        throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, S, Sk}) +
-                    " (averaged over heads; Sk = the cache's max length after this call), got " + shape_str(p.shape()));
-      if (p.dtype() != DType::f32)
-        throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
-      all_probs.emplace(DType::f32, Shape{B, Hq, S, Sk});
-      probs_view = all_probs->view();
-    }
-    cache.attend(q, ov, options.attention, std::nullopt, probs_view);
-    if (all_probs) average_heads(*all_probs, *options.probs);
+    const ProbsPlan probs =
+        plan_probs(options, B, Hq, S, cache.max_length(), "; Sk = the cache's max length after this call");
+    cache.attend(q, ov, options.attention, std::nullopt, probs.view);
+    finish_probs(probs, options);
   } catch (...) {
     cache.truncate(saved);  // a refused call leaves the cache as it was
     throw;
