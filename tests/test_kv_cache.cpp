@@ -45,7 +45,8 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
 
 struct Problem {
   std::int64_t B = 2, Hq = 4, Hkv = 2, T = 5, D = 8;
-  Tensor q = random_f32({B, Hq, T, D}, 1), k = random_f32({B, Hkv, T, D}, 2), v = random_f32({B, Hkv, T, D}, 3);
+  Tensor q = random_f32({B, Hq, T, D}, 1), k = random_f32({B, Hkv, T, D}, 2),
+         v = random_f32({B, Hkv, T, D}, 3);
   Tensor full() const {
     Tensor out(DType::f32, {B, Hq, T, D});
     qkv::AttentionParams p;
@@ -60,8 +61,10 @@ struct Problem {
     if (fill_nan) {
       for (const TensorView& s : {cache.keys(), cache.values()})
         for (std::int64_t i = 0; i < s.numel(); ++i) {
-          if (storage == DType::f32) s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
-          else s.data_as<std::uint16_t>()[i] = 0x7fc0;  // bfloat16 NaN
+          if (storage == DType::f32)
+            s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+          else
+            s.data_as<std::uint16_t>()[i] = 0x7fc0;  // bfloat16 NaN
         }
     }
     Tensor out(DType::f32, {B, Hq, T, D});
@@ -142,7 +145,8 @@ TEST(KVCache, RaggedAppendsKeepPerSequenceLengths) {
   KVCache cache(pr.B, pr.Hkv, 8, pr.D);
   // Sequence 1's slots 1 and 2 lie inside the [0, max_length) views but beyond its length.
   for (const TensorView& s : {cache.keys(), cache.values()})
-    for (std::int64_t i = 0; i < s.numel(); ++i) s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+    for (std::int64_t i = 0; i < s.numel(); ++i)
+      s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
   const std::vector<std::int64_t> counts{3, 1};
   const auto pos = cache.next_positions(3, counts);
   EXPECT_EQ(pos, (std::vector<std::int64_t>{0, 1, 2, 0, 0, 0}));

@@ -53,19 +53,21 @@ Tensor linear64(const TensorView& x, const TensorView& w, const TensorView& bias
       for (std::int64_t n = 0; n < N; ++n) {
         double acc = bias.empty() ? 0.0 : bias.data_as<float>()[n];
         for (std::int64_t k = 0; k < K; ++k)
-          acc += static_cast<double>(x.data_as<float>()[b * x.stride(0) + s * x.stride(1) + k]) * w.data_as<float>()[n * K + k];
+          acc += static_cast<double>(x.data_as<float>()[b * x.stride(0) + s * x.stride(1) + k]) *
+                 w.data_as<float>()[n * K + k];
         y.data_as<double>()[(b * S + s) * N + n] = acc;
       }
   return y;
 }
 
 // The layer in float64: returns y [B,Sq,d_model] as double; probs [B,Hq,Sq,Sk] if requested.
-Tensor mha64(const MultiHeadAttention& m, const TensorView& xq, const TensorView& xkv, const qkv::AttentionParams& ap,
-             std::optional<TensorView> probs = std::nullopt, std::span<const std::int64_t> qpos = {},
-             std::span<const std::int64_t> kpos = {}) {
+Tensor mha64(const MultiHeadAttention& m, const TensorView& xq, const TensorView& xkv,
+             const qkv::AttentionParams& ap, std::optional<TensorView> probs = std::nullopt,
+             std::span<const std::int64_t> qpos = {}, std::span<const std::int64_t> kpos = {}) {
   const auto& c = m.config();
   const std::int64_t B = xq.size(0), Sq = xq.size(1), Sk = xkv.size(1);
-  const Tensor q = linear64(xq, m.w_q(), m.b_q()), k = linear64(xkv, m.w_k(), m.b_k()), v = linear64(xkv, m.w_v(), m.b_v());
+  const Tensor q = linear64(xq, m.w_q(), m.b_q()), k = linear64(xkv, m.w_k(), m.b_k()),
+               v = linear64(xkv, m.w_v(), m.b_v());
   const TensorView qh(q.data(), DType::f64, {B, c.num_heads, Sq, c.head_dim},
                       {Sq * c.num_heads * c.head_dim, c.head_dim, c.num_heads * c.head_dim, 1});
   const TensorView kh(k.data(), DType::f64, {B, c.num_kv_heads, Sk, c.head_dim},
@@ -90,7 +92,8 @@ Tensor mha64(const MultiHeadAttention& m, const TensorView& xq, const TensorView
   for (std::int64_t r = 0; r < B * Sq; ++r)
     for (std::int64_t n = 0; n < N; ++n) {
       double acc = c.out_bias ? m.b_o().data_as<float>()[n] : 0.0;
-      for (std::int64_t k2 = 0; k2 < K; ++k2) acc += o.data_as<double>()[r * K + k2] * m.w_o().data_as<float>()[n * K + k2];
+      for (std::int64_t k2 = 0; k2 < K; ++k2)
+        acc += o.data_as<double>()[r * K + k2] * m.w_o().data_as<float>()[n * K + k2];
       y.data_as<double>()[r * N + n] = acc;
     }
   return y;
@@ -131,8 +134,10 @@ TEST_P(MhaVsFloat64, Agrees) {
   o.attention.window_left = cs.window_left;
   o.attention.softcap = cs.softcap;
   Tensor y(DType::f32, {cs.B, cs.Sq, dm});
-  if (cs.Sk < 0) m.forward(xq, y, o);
-  else m.forward(xq, xkv, y, o);
+  if (cs.Sk < 0)
+    m.forward(xq, y, o);
+  else
+    m.forward(xq, xkv, y, o);
   const Tensor want = mha64(m, xq, cs.Sk < 0 ? xq.view() : xkv.view(), o.attention);
   EXPECT_LE(max_err(y, want), 1e-5) << cs.name;
 }
@@ -162,14 +167,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gqa_causal", cfg(32, 4, 2, 0, 0, false), 2, 9, -1, true, -1, 0.0},
                       Case{"mqa_window", cfg(24, 6, 1), 1, 11, -1, true, 3, 0.0},
                       Case{"d_ne_dmodel_dv", cfg(20, 4, 2, 12, 6), 2, 5, -1, false, -1, 0.0},
-                      Case{"rope_interleaved", cfg(32, 4, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 2, 8, -1,
-                           true, -1, 0.0},
-                      Case{"rope_half", cfg(48, 4, 4, 0, 0, true, rope(qkv::RopeStyle::half_split)), 1, 6, -1, false,
-                           -1, 0.0},
+                      Case{"rope_interleaved", cfg(32, 4, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)),
+                           2, 8, -1, true, -1, 0.0},
+                      Case{"rope_half", cfg(48, 4, 4, 0, 0, true, rope(qkv::RopeStyle::half_split)), 1, 6, -1,
+                           false, -1, 0.0},
                       Case{"softcap", cfg(16, 2, 2), 2, 4, -1, false, -1, 0.5},
                       Case{"cross", cfg(32, 4, 4), 2, 5, 9, false, -1, 0.0},
-                      Case{"cross_gqa_rope", cfg(32, 8, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 1, 3, 6,
-                           true, -1, 0.0},
+                      Case{"cross_gqa_rope", cfg(32, 8, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 1,
+                           3, 6, true, -1, 0.0},
                       Case{"seq1", cfg(8, 2, 1), 3, 1, -1, true, -1, 0.0}),
     [](const auto& info) { return std::string(info.param.name); });
 
@@ -256,7 +261,8 @@ void check_cached(const MultiHeadAttention& m, const std::vector<std::int64_t>& 
   qkv::KVCache cache(B, m.config().num_kv_heads, capacity, m.config().head_dim);
   if (fill_nan)
     for (const TensorView& s : {cache.keys(), cache.values()})
-      for (std::int64_t i = 0; i < s.numel(); ++i) s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+      for (std::int64_t i = 0; i < s.numel(); ++i)
+        s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
   Tensor y(DType::f32, {B, T, dm});
   std::int64_t t0 = 0;
   for (std::int64_t n : chunks) {
@@ -362,11 +368,13 @@ TEST(Mha, LoadsPackedAndSeparateWeightNames) {
   std::map<std::string, Tensor> half;
   for (const auto& [name, t] : packed) {
     Tensor h(DType::f16, t.shape());
-    for (std::int64_t i = 0; i < t.numel(); ++i) h.data_as<std::uint16_t>()[i] = qkv::float_to_half(t.data_as<float>()[i]);
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      h.data_as<std::uint16_t>()[i] = qkv::float_to_half(t.data_as<float>()[i]);
     half.emplace(name, std::move(h));
   }
   a.load_weights(half, "self_attn.");
-  EXPECT_EQ(a.w_q().data_as<float>()[3], qkv::half_to_float(qkv::float_to_half(src.w_q().data_as<float>()[3])));
+  EXPECT_EQ(a.w_q().data_as<float>()[3],
+            qkv::half_to_float(qkv::float_to_half(src.w_q().data_as<float>()[3])));
 
   // Errors: wrong shape, missing tensor, bias disagreeing with the config, ambiguous names.
   std::map<std::string, Tensor> bad;
@@ -392,7 +400,7 @@ TEST(Mha, TorchMaskPolarityIsInverted) {
   Tensor kpm(DType::b8, {B, Sk});
   kpm.data_as<std::uint8_t>()[2] = 1;  // batch 0, key 2 is padding
   Tensor am(DType::b8, {Sq, Sk});
-  am.data_as<std::uint8_t>()[1] = 1;   // query 0 may not see key 1
+  am.data_as<std::uint8_t>()[1] = 1;  // query 0 may not see key 1
   const Tensor m = qkv::mask_from_torch(am.view(), kpm.view(), B, Hq, Sq, Sk);
   ASSERT_EQ(m.dtype(), DType::b8);
   ASSERT_EQ(m.shape(), (qkv::Shape{B, 1, Sq, Sk}));

@@ -70,8 +70,8 @@ void naive_attention(const float* qkv_buf, std::int64_t B, std::int64_t S, std::
       const float* k = q + H * D;
       const float* v = q + 2 * H * D;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(S), static_cast<int>(S),
-                  static_cast<int>(D), scale, q, static_cast<int>(N), k, static_cast<int>(N), 0.0f, scores.data(),
-                  static_cast<int>(S));
+                  static_cast<int>(D), scale, q, static_cast<int>(N), k, static_cast<int>(N), 0.0f,
+                  scores.data(), static_cast<int>(S));
 #pragma omp parallel for schedule(static)
       for (std::int64_t i = 0; i < S; ++i) {
         float* row = scores.data() + i * S;
@@ -99,23 +99,34 @@ int main(int argc, char** argv) {
   std::int64_t B = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--reps" && i + 1 < argc) reps = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--causal") causal = true;
-    else if (a == "--skip-qkv-attention") skip_attn = true;
-    else if (a == "--quick") { dms = {512}; seqs = {1024}; reps = 3; }
-    else if (a == "--d-model" && i + 1 < argc) dms = parse_list(argv[++i]);
-    else if (a == "--seq" && i + 1 < argc) seqs = parse_list(argv[++i]);
-    else if (a == "--batch" && i + 1 < argc) B = std::max(1, std::atoi(argv[++i]));
+    if (a == "--reps" && i + 1 < argc)
+      reps = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--causal")
+      causal = true;
+    else if (a == "--skip-qkv-attention")
+      skip_attn = true;
+    else if (a == "--quick") {
+      dms = {512};
+      seqs = {1024};
+      reps = 3;
+    } else if (a == "--d-model" && i + 1 < argc)
+      dms = parse_list(argv[++i]);
+    else if (a == "--seq" && i + 1 < argc)
+      seqs = parse_list(argv[++i]);
+    else if (a == "--batch" && i + 1 < argc)
+      B = std::max(1, std::atoi(argv[++i]));
     else {
-      std::fprintf(stderr, "usage: bench_mha [--reps N] [--causal] [--quick] [--d-model A,B] [--seq A,B] [--batch B] "
-                           "[--skip-qkv-attention]\n");
+      std::fprintf(stderr,
+                   "usage: bench_mha [--reps N] [--causal] [--quick] [--d-model A,B] [--seq A,B] [--batch B] "
+                   "[--skip-qkv-attention]\n");
       return 2;
     }
   }
-  std::printf("bench_mha: B=%lld, head_dim 64, %s, median of %d runs, times in ms\n", static_cast<long long>(B),
-              causal ? "causal" : "non-causal", reps);
-  std::printf("%7s %6s %3s | %9s %9s %9s %9s | %9s | %6s %8s %8s | %9s %6s | %s\n", "d_model", "S", "Hq", "qkv_proj", "attn",
-              "out_proj", "sum", "layer", "proj%", "projGF/s", "attnGF/s", "naive", "proj%", "kernel");
+  std::printf("bench_mha: B=%lld, head_dim 64, %s, median of %d runs, times in ms\n",
+              static_cast<long long>(B), causal ? "causal" : "non-causal", reps);
+  std::printf("%7s %6s %3s | %9s %9s %9s %9s | %9s | %6s %8s %8s | %9s %6s | %s\n", "d_model", "S", "Hq",
+              "qkv_proj", "attn", "out_proj", "sum", "layer", "proj%", "projGF/s", "attnGF/s", "naive",
+              "proj%", "kernel");
   for (std::int64_t dm : dms)
     for (std::int64_t S : seqs) {
       const std::int64_t H = dm / 64, D = 64;
@@ -132,8 +143,8 @@ int main(int argc, char** argv) {
       const auto* w = layer.in_proj_weight().data_as<const float>();
       auto qkv_proj = [&] {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(B * S), static_cast<int>(N),
-                    static_cast<int>(dm), 1.0f, x.data_as<float>(), static_cast<int>(dm), w, static_cast<int>(dm),
-                    0.0f, proj.data_as<float>(), static_cast<int>(N));
+                    static_cast<int>(dm), 1.0f, x.data_as<float>(), static_cast<int>(dm), w,
+                    static_cast<int>(dm), 0.0f, proj.data_as<float>(), static_cast<int>(N));
       };
       auto out_proj = [&] {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(B * S), static_cast<int>(dm),
@@ -163,17 +174,19 @@ int main(int argc, char** argv) {
       const double t_qkv = median_ms(reps, qkv_proj);
       const double t_attn = skip_attn ? NAN : median_ms(reps, [&] { qkv::attention(q, k, v, ov, ap); });
       std::vector<float> scores;
-      const double t_naive = median_ms(reps, [&] { naive_attention(pd, B, S, H, D, causal, o.data_as<float>(), scores); });
+      const double t_naive =
+          median_ms(reps, [&] { naive_attention(pd, B, S, H, D, causal, o.data_as<float>(), scores); });
       const double t_out = median_ms(reps, out_proj);
       const double t_layer = skip_attn ? NAN : median_ms(reps, [&] { layer.forward(x, y, mo); });
       const double sum = t_qkv + t_attn + t_out;
       const double proj_flops = 2.0 * B * S * dm * (N + dm);
       const double attn_flops = 4.0 * B * H * S * S * D * (causal ? 0.5 : 1.0);
-      std::printf("%7lld %6lld %3lld | %9.2f %9.2f %9.2f %9.2f | %9.2f | %5.1f%% %8.1f %8.1f | %9.2f %5.1f%% | %s\n",
-                  static_cast<long long>(dm), static_cast<long long>(S), static_cast<long long>(H), t_qkv, t_attn,
-                  t_out, sum, t_layer, 100.0 * (t_qkv + t_out) / sum, proj_flops / ((t_qkv + t_out) * 1e6),
-                  attn_flops / (t_attn * 1e6), t_naive, 100.0 * (t_qkv + t_out) / (t_qkv + t_out + t_naive),
-                  kernel.c_str());
+      std::printf(
+          "%7lld %6lld %3lld | %9.2f %9.2f %9.2f %9.2f | %9.2f | %5.1f%% %8.1f %8.1f | %9.2f %5.1f%% | %s\n",
+          static_cast<long long>(dm), static_cast<long long>(S), static_cast<long long>(H), t_qkv, t_attn,
+          t_out, sum, t_layer, 100.0 * (t_qkv + t_out) / sum, proj_flops / ((t_qkv + t_out) * 1e6),
+          attn_flops / (t_attn * 1e6), t_naive, 100.0 * (t_qkv + t_out) / (t_qkv + t_out + t_naive),
+          kernel.c_str());
       std::fflush(stdout);
     }
   return 0;

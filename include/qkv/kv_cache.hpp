@@ -33,7 +33,7 @@
 namespace qkv {
 
 class KVCache {
-public:
+ public:
   KVCache() = default;
   /// Allocates K [B, Hkv, capacity, D] and V [B, Hkv, capacity, Dv] (zeroed), every length 0.
   /// @param dtype       storage: float32 (default), float64, bfloat16 or float16.
@@ -108,7 +108,7 @@ public:
   /// @throws qkv::Error if lengths has other than B entries or a negative entry.
   void truncate(std::span<const std::int64_t> lengths);
 
-private:
+ private:
   std::int64_t B_ = 0, Hkv_ = 0, capacity_ = 0, D_ = 0, Dv_ = 0;
   DType dtype_ = DType::f32;
   Tensor k_, v_;
