@@ -467,3 +467,111 @@ TEST(Mha, RefusesBadConfigsAndInputs) {
 }
 
 }  // namespace
+
+namespace {
+
+// One attention block of llama2.c's run.c forward() for the token at `pos`, in its float
+// arithmetic: q = Wq x, k = Wk x, v = Wv x; RoPE on (even, odd) pairs; k, v into the cache;
+// per head softmax(q.k / sqrt(head_size)) over positions 0..pos (GQA: head h reads h / kv_mul);
+// out = Wo xb.
+void llama2c_attention(const float* x, int pos, int dim, int n_heads, int n_kv_heads, const float* wq,
+                       const float* wk, const float* wv, const float* wo, float* key_cache,
+                       float* value_cache, float* out) {
+  const int head_size = dim / n_heads, kv_dim = n_kv_heads * head_size, kv_mul = n_heads / n_kv_heads;
+  auto matmul = [](float* xout, const float* xin, const float* w, int n, int d) {
+    for (int i = 0; i < d; i++) {
+      float val = 0.0f;
+      for (int j = 0; j < n; j++) val += w[i * n + j] * xin[j];
+      xout[i] = val;
+    }
+  };
+  std::vector<float> q(dim), xb(dim), att(pos + 1);
+  float* k = key_cache + pos * kv_dim;
+  float* v = value_cache + pos * kv_dim;
+  matmul(q.data(), x, wq, dim, dim);
+  matmul(k, x, wk, dim, kv_dim);
+  matmul(v, x, wv, dim, kv_dim);
+  for (int i = 0; i < dim; i += 2) {
+    int head_dim = i % head_size;
+    float freq = 1.0f / powf(10000.0f, head_dim / static_cast<float>(head_size));
+    float val = pos * freq;
+    float fcr = cosf(val), fci = sinf(val);
+    int rotn = i < kv_dim ? 2 : 1;
+    for (int r = 0; r < rotn; r++) {
+      float* vec = r == 0 ? q.data() : k;
+      float v0 = vec[i], v1 = vec[i + 1];
+      vec[i] = v0 * fcr - v1 * fci;
+      vec[i + 1] = v0 * fci + v1 * fcr;
+    }
+  }
+  for (int h = 0; h < n_heads; h++) {
+    const float* qh = q.data() + h * head_size;
+    for (int t = 0; t <= pos; t++) {
+      const float* kt = key_cache + t * kv_dim + (h / kv_mul) * head_size;
+      float score = 0.0f;
+      for (int i = 0; i < head_size; i++) score += qh[i] * kt[i];
+      att[t] = score / sqrtf(static_cast<float>(head_size));
+    }
+    float max_val = att[0];
+    for (int t = 1; t <= pos; t++) max_val = std::max(max_val, att[t]);
+    float sum = 0.0f;
+    for (int t = 0; t <= pos; t++) sum += (att[t] = expf(att[t] - max_val));
+    for (int t = 0; t <= pos; t++) att[t] /= sum;
+    float* xh = xb.data() + h * head_size;
+    std::fill(xh, xh + head_size, 0.0f);
+    for (int t = 0; t <= pos; t++) {
+      const float* vt = value_cache + t * kv_dim + (h / kv_mul) * head_size;
+      for (int i = 0; i < head_size; i++) xh[i] += att[t] * vt[i];
+    }
+  }
+  matmul(out, xb.data(), wo, dim, dim);
+}
+
+TEST(Mha, MatchesLlama2cAttentionBlockTokenByTokenAndPrefill) {
+  // The stories260K shape: dim 64, 8 query heads, 4 KV heads, head_dim 8; RoPE as llama2.c.
+  const int dim = 64, Hq = 8, Hkv = 4, T = 12;
+  qkv::RopeConfig r;
+  r.angles = qkv::RopeAngles::llama2c_f32;
+  const MultiHeadAttention m = make_layer(cfg(dim, Hq, Hkv, 0, 0, false, r), 7);
+  const Tensor x = random_f32({1, T, dim}, 21);
+  std::vector<float> kc(T * dim), vc(T * dim), want(T * dim);
+  for (int pos = 0; pos < T; ++pos)
+    llama2c_attention(x.data_as<float>() + pos * dim, pos, dim, Hq, Hkv, m.w_q().data_as<float>(),
+                      m.w_k().data_as<float>(), m.w_v().data_as<float>(), m.w_o().data_as<float>(), kc.data(),
+                      vc.data(), want.data() + pos * dim);
+  MhaOptions o;
+  o.attention.causal = true;
+  // Token by token into a larger cache whose unused slots hold NaN.
+  qkv::KVCache cache(1, Hkv, 64, dim / Hq);
+  for (const TensorView& s : {cache.keys(), cache.values()})
+    for (std::int64_t i = 0; i < s.numel(); ++i)
+      s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+  Tensor y(DType::f32, {1, T, dim});
+  for (int pos = 0; pos < T; ++pos)
+    m.forward(TensorView(x.data_as<float>() + pos * dim, DType::f32, {1, 1, dim}), cache,
+              TensorView(y.data_as<float>() + pos * dim, DType::f32, {1, 1, dim}), o);
+  double e = 0;
+  for (int i = 0; i < T * dim; ++i)
+    e = std::max(e, std::abs(static_cast<double>(y.data_as<float>()[i]) - want[i]));
+  EXPECT_LE(e, 1e-5) << "decode";
+  // The cached keys are llama2.c's key cache, rotated: [Hkv, pos, D] vs [pos, Hkv*D].
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < Hkv; ++h)
+      for (int d = 0; d < dim / Hq; ++d)
+        EXPECT_NEAR(cache.keys().data_as<float>()[(h * 64 + t) * (dim / Hq) + d],
+                    kc[t * Hkv * (dim / Hq) + h * 8 + d], 1e-5);
+  // Prefill of all T tokens at once, then the same through the plain self-attention forward.
+  qkv::KVCache fresh(1, Hkv, T, dim / Hq);
+  Tensor y2(DType::f32, {1, T, dim}), y3(DType::f32, {1, T, dim});
+  m.forward(x, fresh, y2, o);
+  m.forward(x, y3, o);
+  double e2 = 0, e3 = 0;
+  for (int i = 0; i < T * dim; ++i) {
+    e2 = std::max(e2, std::abs(static_cast<double>(y2.data_as<float>()[i]) - want[i]));
+    e3 = std::max(e3, std::abs(static_cast<double>(y3.data_as<float>()[i]) - want[i]));
+  }
+  EXPECT_LE(e2, 1e-5) << "prefill through the cache";
+  EXPECT_LE(e3, 1e-5) << "prefill without a cache";
+}
+
+}  // namespace
