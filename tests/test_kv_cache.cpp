@@ -121,6 +121,29 @@ TEST(KVCache, Bf16StorageEqualsAttentionOnRoundedKeysAndValues) {
   EXPECT_LE(max_abs_diff(out, full), 1e-5);
 }
 
+TEST(KVCache, Bf16CopyFollowsTruncateAndOverwrite) {
+  // Append 3, attend, roll back to 1, append different tokens: the float32 copy must follow.
+  Problem pr;
+  for (Tensor* t : {&pr.k, &pr.v})
+    for (std::int64_t i = 0; i < t->numel(); ++i)
+      t->data_as<float>()[i] = qkv::bf16_to_float(qkv::float_to_bf16(t->data_as<float>()[i]));
+  KVCache cache(pr.B, pr.Hkv, 8, pr.D, DType::bf16);
+  qkv::AttentionParams p;
+  p.causal = true;
+  Tensor scratch(DType::f32, {pr.B, pr.Hq, 3, pr.D});
+  cache.append(rows(pr.v, 0, 3), rows(pr.k, 0, 3));  // deliberately the wrong tokens
+  cache.attend(rows(pr.q, 0, 3), scratch, p);
+  cache.truncate(1);
+  Tensor out(DType::f32, {pr.B, pr.Hq, pr.T, pr.D});
+  // Token 0 must be replaced too: roll back to 0 and replay the right tokens 2 + 3.
+  cache.truncate(0);
+  cache.append(rows(pr.k, 0, 2), rows(pr.v, 0, 2));
+  cache.attend(rows(pr.q, 0, 2), rows(out, 0, 2), p);
+  cache.append(rows(pr.k, 2, 3), rows(pr.v, 2, 3));
+  cache.attend(rows(pr.q, 2, 3), rows(out, 2, 3), p);
+  EXPECT_LE(max_abs_diff(out, pr.full()), 1e-5);
+}
+
 TEST(KVCache, RefusesToOverflowAndLeavesTheCacheUnchanged) {
   const Problem pr;
   KVCache cache(pr.B, pr.Hkv, 4, pr.D);

@@ -93,7 +93,9 @@ class KVCache {
   ///                kernel, num_threads; kv_lens must be empty (the cache supplies it) and align
   ///                must be bottom_right.
   /// If q's dtype differs from the storage dtype (e.g. float32 queries over a bfloat16 cache),
-  /// the cached positions are widened into a scratch buffer of q's dtype first.
+  /// the cached positions are converted into a capacity-sized copy of q's dtype, incrementally
+  /// (only positions appended since the previous call). After writing into keys()/values() below
+  /// length(b) directly, call truncate() so the copy is refreshed.
   /// @throws qkv::Error as qkv::attention(), or for kv_lens set / top_left alignment.
   void attend(const TensorView& q, const TensorView& out, const AttentionParams& params = {},
               const std::optional<TensorView>& softmax_lse = std::nullopt,
@@ -113,7 +115,8 @@ class KVCache {
   DType dtype_ = DType::f32;
   Tensor k_, v_;
   std::vector<std::int64_t> lengths_;
-  Tensor scratch_k_, scratch_v_;  // widened copies for attend() when q's dtype differs
+  Tensor scratch_k_, scratch_v_;       // copies in q's dtype for attend() when it differs
+  std::vector<std::int64_t> widened_;  // per sequence: positions [0, widened_) of the copies are current
 };
 
 }  // namespace qkv

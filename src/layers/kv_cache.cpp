@@ -55,6 +55,7 @@ KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t cap
   k_ = Tensor(dtype, {B_, Hkv_, capacity_, D_});
   v_ = Tensor(dtype, {B_, Hkv_, capacity_, Dv_});
   lengths_.assign(static_cast<std::size_t>(B_), 0);
+  widened_.assign(static_cast<std::size_t>(B_), 0);
 }
 
 std::int64_t KVCache::length(std::int64_t b) const {
@@ -155,38 +156,47 @@ void KVCache::attend(const TensorView& q, const TensorView& out, const Attention
   p.kv_lens = lens;
   TensorView k = active_keys(), v = active_values();
   if (detail::is_float_dtype(q.dtype()) && q.dtype() != dtype_) {
-    // Widen (or narrow) only the live positions of each sequence; the rest stay unread.
-    const std::int64_t L = max_length();
-    if (scratch_k_.dtype() != q.dtype() || scratch_k_.numel() < B_ * Hkv_ * L * D_ ||
-        scratch_v_.numel() < B_ * Hkv_ * L * Dv_) {
-      scratch_k_ = Tensor(q.dtype(), {B_ * Hkv_ * L * D_});
-      scratch_v_ = Tensor(q.dtype(), {B_ * Hkv_ * L * Dv_});
+    // Keep a copy in q's dtype, converted incrementally: only positions appended since the last
+    // call are converted, so a decode step costs O(new tokens), not O(cached tokens).
+    if (scratch_k_.dtype() != q.dtype() || scratch_k_.numel() != k_.numel()) {
+      scratch_k_ = Tensor(q.dtype(), k_.shape());
+      scratch_v_ = Tensor(q.dtype(), v_.shape());
+      std::fill(widened_.begin(), widened_.end(), 0);
     }
-    const std::size_t es = dtype_size(dtype_), qs = dtype_size(q.dtype());
-    for (std::int64_t b = 0; b < B_; ++b)
+    const auto es = static_cast<std::int64_t>(dtype_size(dtype_)),
+               qs = static_cast<std::int64_t>(dtype_size(q.dtype()));
+    for (std::int64_t b = 0; b < B_; ++b) {
+      const std::int64_t to = lengths_[static_cast<std::size_t>(b)];
+      const std::int64_t from = std::min(widened_[static_cast<std::size_t>(b)], to);
       for (std::int64_t h = 0; h < Hkv_; ++h) {
-        const std::int64_t n = lengths_[static_cast<std::size_t>(b)];
-        const std::int64_t src = (b * Hkv_ + h) * capacity_, dst = (b * Hkv_ + h) * L;
-        detail::convert_row(static_cast<const char*>(k_.data()) + src * D_ * static_cast<std::int64_t>(es),
-                            dtype_,
-                            static_cast<char*>(scratch_k_.data()) + dst * D_ * static_cast<std::int64_t>(qs),
-                            q.dtype(), n * D_);
-        detail::convert_row(static_cast<const char*>(v_.data()) + src * Dv_ * static_cast<std::int64_t>(es),
-                            dtype_,
-                            static_cast<char*>(scratch_v_.data()) + dst * Dv_ * static_cast<std::int64_t>(qs),
-                            q.dtype(), n * Dv_);
+        const std::int64_t row = (b * Hkv_ + h) * capacity_ + from;
+        detail::convert_row(static_cast<const char*>(k_.data()) + row * D_ * es, dtype_,
+                            static_cast<char*>(scratch_k_.data()) + row * D_ * qs, q.dtype(),
+                            (to - from) * D_);
+        detail::convert_row(static_cast<const char*>(v_.data()) + row * Dv_ * es, dtype_,
+                            static_cast<char*>(scratch_v_.data()) + row * Dv_ * qs, q.dtype(),
+                            (to - from) * Dv_);
       }
-    k = TensorView(scratch_k_.data(), q.dtype(), {B_, Hkv_, L, D_});
-    v = TensorView(scratch_v_.data(), q.dtype(), {B_, Hkv_, L, Dv_});
+      widened_[static_cast<std::size_t>(b)] = to;
+    }
+    const std::int64_t L = max_length();
+    k = TensorView(scratch_k_.data(), q.dtype(), {B_, Hkv_, L, D_},
+                   {Hkv_ * capacity_ * D_, capacity_ * D_, D_, 1});
+    v = TensorView(scratch_v_.data(), q.dtype(), {B_, Hkv_, L, Dv_},
+                   {Hkv_ * capacity_ * Dv_, capacity_ * Dv_, Dv_, 1});
   }
   attention(q, k, v, out, p, softmax_lse, probs);
 }
 
-void KVCache::clear() noexcept { std::fill(lengths_.begin(), lengths_.end(), 0); }
+void KVCache::clear() noexcept {
+  std::fill(lengths_.begin(), lengths_.end(), 0);
+  std::fill(widened_.begin(), widened_.end(), 0);
+}
 
 void KVCache::truncate(std::int64_t length) {
   if (length < 0) throw Error("kv_cache: length: expected >= 0, got " + s(length));
   for (auto& l : lengths_) l = std::min(l, length);
+  for (auto& w : widened_) w = std::min(w, length);
 }
 
 void KVCache::truncate(std::span<const std::int64_t> lengths) {
@@ -197,7 +207,10 @@ void KVCache::truncate(std::span<const std::int64_t> lengths) {
     if (lengths[b] < 0)
       throw Error("kv_cache: lengths: expected >= 0, got " + s(lengths[b]) + " at batch " +
                   s(static_cast<std::int64_t>(b)));
-  for (std::size_t b = 0; b < lengths.size(); ++b) lengths_[b] = std::min(lengths_[b], lengths[b]);
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    lengths_[b] = std::min(lengths_[b], lengths[b]);
+    widened_[b] = std::min(widened_[b], lengths_[b]);
+  }
 }
 
 }  // namespace qkv
