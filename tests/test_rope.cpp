@@ -120,7 +120,7 @@ TEST(Rope, DecodeStepEqualsPrefillRow) {
 }
 
 TEST(Rope, PerBatchPositionsAndRelativeProperty) {
-  // RoFormer eq. (16): <R(m) q, R(n) k> depends only on m - n.
+  // RoFormer sec. 3.2: <R(m) q, R(n) k> depends only on m - n.
   const std::int64_t D = 32;
   Tensor q = random_f32({1, 1, 1, D}, 1), k = random_f32({1, 1, 1, D}, 2);
   auto dot_at = [&](std::int64_t m, std::int64_t n) {

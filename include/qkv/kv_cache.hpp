@@ -4,7 +4,7 @@
 ///
 /// During generation the keys and values of earlier tokens do not change, so they are stored
 /// once and each new token only computes its own q, k, v (Pope et al. 2022, "Efficiently Scaling
-/// Transformer Inference", sec. 2; the "KV cache" of every decoder runtime). A model holds one
+/// Transformer Inference"; the "KV cache" of every decoder runtime). A model holds one
 /// KVCache per layer.
 ///
 /// Storage, per layer:  K [B, Hkv, capacity, D],  V [B, Hkv, capacity, Dv], C-contiguous,
