@@ -6,8 +6,10 @@ The safetensors files are written by hand (struct + json), independently of qkv'
 
 usage: test_mha.py <path to the qkv binary>
 """
+import atexit
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import numpy as np
 
 QKV = sys.argv[1]
 TMP = tempfile.mkdtemp(prefix="qkv_mha_")
+atexit.register(shutil.rmtree, TMP, True)
 TOL = 1e-5
 failures = []
 
