@@ -1,4 +1,6 @@
 // `qkv mha`: a multi-head attention layer (PyTorch nn.MultiheadAttention weights) on .npy inputs.
+#include "qkv/mha.hpp"
+
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -9,7 +11,6 @@
 
 #include "commands.hpp"
 #include "qkv/error.hpp"
-#include "qkv/mha.hpp"
 #include "qkv/npy.hpp"
 #include "qkv/safetensors.hpp"
 
@@ -33,7 +34,8 @@ Tensor read_activations(const std::string& flag, const std::string& path, bool& 
     throw Error(flag + ": " + e.what());
   }
   if (a.shape().size() != 2 && a.shape().size() != 3)
-    throw Error(flag + ": expected [B,S,d_model] or [S,d_model], got shape " + shape_str(a.shape()) + " in " + path);
+    throw Error(flag + ": expected [B,S,d_model] or [S,d_model], got shape " + shape_str(a.shape()) + " in " +
+                path);
   if (a.dtype() != DType::f32 && a.dtype() != DType::f64 && a.dtype() != DType::f16)
     throw Error(flag + ": expected a float array, got " + std::string(dtype_name(a.dtype())) + " in " + path);
   was_2d = a.shape().size() == 2;
@@ -99,11 +101,19 @@ void run_mha(const MhaCliOptions& o) {
   NpyArray kpm, am;
   std::optional<TensorView> kpm_v, am_v;
   if (!o.key_padding_mask.empty()) {
-    try { kpm = read_npy(o.key_padding_mask); } catch (const Error& e) { throw Error(std::string("--key-padding-mask: ") + e.what()); }
+    try {
+      kpm = read_npy(o.key_padding_mask);
+    } catch (const Error& e) {
+      throw Error(std::string("--key-padding-mask: ") + e.what());
+    }
     kpm_v = kpm.view();
   }
   if (!o.attn_mask.empty()) {
-    try { am = read_npy(o.attn_mask); } catch (const Error& e) { throw Error(std::string("--attn-mask: ") + e.what()); }
+    try {
+      am = read_npy(o.attn_mask);
+    } catch (const Error& e) {
+      throw Error(std::string("--attn-mask: ") + e.what());
+    }
     am_v = am.view();
   }
   Tensor mask;
@@ -124,8 +134,10 @@ void run_mha(const MhaCliOptions& o) {
   }
 
   Tensor y(DType::f32, {B, Sq, cfg.d_model});
-  if (x_kv) layer.forward(x, *x_kv, y, opt);
-  else layer.forward(x, y, opt);
+  if (x_kv)
+    layer.forward(x, *x_kv, y, opt);
+  else
+    layer.forward(x, y, opt);
 
   const TensorView yv = x_2d ? TensorView(y.data(), DType::f32, {Sq, cfg.d_model}) : y.view();
   write_npy(o.out, yv);
@@ -146,23 +158,28 @@ void add_mha(CLI::App& app) {
   auto o = std::make_shared<MhaCliOptions>();
   auto* cmd = app.add_subcommand(
       "mha", "Multi-head attention layer on .npy files, with PyTorch nn.MultiheadAttention weights");
-  cmd->add_option("--x", o->x, "input (queries; also keys/values without --x-kv), [B,S,d_model] or [S,d_model]")
+  cmd->add_option("--x", o->x,
+                  "input (queries; also keys/values without --x-kv), [B,S,d_model] or [S,d_model]")
       ->required();
   cmd->add_option("--x-kv", o->x_kv, "cross-attention keys/values input, [B,Sk,d_model] or [Sk,d_model]");
-  cmd->add_option("--weights", o->weights,
-                  "safetensors file (or directory of <name>.npy): in_proj_weight, in_proj_bias, out_proj.weight, "
-                  "out_proj.bias, or q_proj/k_proj/v_proj/o_proj .weight/.bias")
+  cmd->add_option(
+         "--weights", o->weights,
+         "safetensors file (or directory of <name>.npy): in_proj_weight, in_proj_bias, out_proj.weight, "
+         "out_proj.bias, or q_proj/k_proj/v_proj/o_proj .weight/.bias")
       ->required();
   cmd->add_option("--out", o->out, "output y, float32, same rank as --x")->required();
   cmd->add_option("--prefix", o->prefix, "prefix of the weight names, e.g. 'self_attn.'");
   cmd->add_option("--heads", o->heads, "number of query heads Hq (default: __metadata__ num_heads)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-heads", o->kv_heads, "number of key/value heads Hkv (default: Hq)")->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-heads", o->kv_heads, "number of key/value heads Hkv (default: Hq)")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--causal", o->causal, "causal mask (bottom-right aligned when Sq != Sk)");
   cmd->add_option("--rope", o->rope, "rotary position embedding on q and k")
       ->check(CLI::IsMember({"interleaved", "half"}));
-  cmd->add_option("--rope-theta", o->rope_theta, "RoPE base theta (default 10000)")->check(CLI::PositiveNumber);
-  cmd->add_option("--rope-angles", o->rope_angles, "RoPE angle precision: f64, or llama2c (float, as llama2.c)")
+  cmd->add_option("--rope-theta", o->rope_theta, "RoPE base theta (default 10000)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--rope-angles", o->rope_angles,
+                  "RoPE angle precision: f64, or llama2c (float, as llama2.c)")
       ->check(CLI::IsMember({"f64", "llama2c"}));
   cmd->add_option("--key-padding-mask", o->key_padding_mask,
                   "PyTorch key_padding_mask [B,Sk]: bool True = padding (ignored), or additive float");

@@ -45,7 +45,8 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
 
 struct Problem {
   std::int64_t B = 2, Hq = 4, Hkv = 2, T = 5, D = 8;
-  Tensor q = random_f32({B, Hq, T, D}, 1), k = random_f32({B, Hkv, T, D}, 2), v = random_f32({B, Hkv, T, D}, 3);
+  Tensor q = random_f32({B, Hq, T, D}, 1), k = random_f32({B, Hkv, T, D}, 2),
+         v = random_f32({B, Hkv, T, D}, 3);
   Tensor full() const {
     Tensor out(DType::f32, {B, Hq, T, D});
     qkv::AttentionParams p;
@@ -60,8 +61,10 @@ struct Problem {
     if (fill_nan) {
       for (const TensorView& s : {cache.keys(), cache.values()})
         for (std::int64_t i = 0; i < s.numel(); ++i) {
-          if (storage == DType::f32) s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
-          else s.data_as<std::uint16_t>()[i] = 0x7fc0;  // bfloat16 NaN
+          if (storage == DType::f32)
+            s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+          else
+            s.data_as<std::uint16_t>()[i] = 0x7fc0;  // bfloat16 NaN
         }
     }
     Tensor out(DType::f32, {B, Hq, T, D});
@@ -118,6 +121,29 @@ TEST(KVCache, Bf16StorageEqualsAttentionOnRoundedKeysAndValues) {
   EXPECT_LE(max_abs_diff(out, full), 1e-5);
 }
 
+TEST(KVCache, Bf16CopyFollowsTruncateAndOverwrite) {
+  // Append 3, attend, roll back to 1, append different tokens: the float32 copy must follow.
+  Problem pr;
+  for (Tensor* t : {&pr.k, &pr.v})
+    for (std::int64_t i = 0; i < t->numel(); ++i)
+      t->data_as<float>()[i] = qkv::bf16_to_float(qkv::float_to_bf16(t->data_as<float>()[i]));
+  KVCache cache(pr.B, pr.Hkv, 8, pr.D, DType::bf16);
+  qkv::AttentionParams p;
+  p.causal = true;
+  Tensor scratch(DType::f32, {pr.B, pr.Hq, 3, pr.D});
+  cache.append(rows(pr.v, 0, 3), rows(pr.k, 0, 3));  // deliberately the wrong tokens
+  cache.attend(rows(pr.q, 0, 3), scratch, p);
+  cache.truncate(1);
+  Tensor out(DType::f32, {pr.B, pr.Hq, pr.T, pr.D});
+  // Token 0 must be replaced too: roll back to 0 and replay the right tokens 2 + 3.
+  cache.truncate(0);
+  cache.append(rows(pr.k, 0, 2), rows(pr.v, 0, 2));
+  cache.attend(rows(pr.q, 0, 2), rows(out, 0, 2), p);
+  cache.append(rows(pr.k, 2, 3), rows(pr.v, 2, 3));
+  cache.attend(rows(pr.q, 2, 3), rows(out, 2, 3), p);
+  EXPECT_LE(max_abs_diff(out, pr.full()), 1e-5);
+}
+
 TEST(KVCache, RefusesToOverflowAndLeavesTheCacheUnchanged) {
   const Problem pr;
   KVCache cache(pr.B, pr.Hkv, 4, pr.D);
@@ -140,6 +166,10 @@ TEST(KVCache, RaggedAppendsKeepPerSequenceLengths) {
   // sequence's real queries equals attention computed for that sequence alone.
   const Problem pr;
   KVCache cache(pr.B, pr.Hkv, 8, pr.D);
+  // Sequence 1's slots 1 and 2 lie inside the [0, max_length) views but beyond its length.
+  for (const TensorView& s : {cache.keys(), cache.values()})
+    for (std::int64_t i = 0; i < s.numel(); ++i)
+      s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
   const std::vector<std::int64_t> counts{3, 1};
   const auto pos = cache.next_positions(3, counts);
   EXPECT_EQ(pos, (std::vector<std::int64_t>{0, 1, 2, 0, 0, 0}));
@@ -150,6 +180,7 @@ TEST(KVCache, RaggedAppendsKeepPerSequenceLengths) {
   qkv::AttentionParams p;
   p.causal = true;
   cache.attend(rows(pr.q, 0, 3), out, p);
+  for (std::int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data_as<float>()[i])) << i;
   // Sequence 1 holds only token 2 of the input; its last query row sees exactly that key.
   for (std::int64_t h = 0; h < pr.Hq; ++h)
     for (std::int64_t d = 0; d < pr.D; ++d) {

@@ -53,19 +53,21 @@ Tensor linear64(const TensorView& x, const TensorView& w, const TensorView& bias
       for (std::int64_t n = 0; n < N; ++n) {
         double acc = bias.empty() ? 0.0 : bias.data_as<float>()[n];
         for (std::int64_t k = 0; k < K; ++k)
-          acc += static_cast<double>(x.data_as<float>()[b * x.stride(0) + s * x.stride(1) + k]) * w.data_as<float>()[n * K + k];
+          acc += static_cast<double>(x.data_as<float>()[b * x.stride(0) + s * x.stride(1) + k]) *
+                 w.data_as<float>()[n * K + k];
         y.data_as<double>()[(b * S + s) * N + n] = acc;
       }
   return y;
 }
 
 // The layer in float64: returns y [B,Sq,d_model] as double; probs [B,Hq,Sq,Sk] if requested.
-Tensor mha64(const MultiHeadAttention& m, const TensorView& xq, const TensorView& xkv, const qkv::AttentionParams& ap,
-             std::optional<TensorView> probs = std::nullopt, std::span<const std::int64_t> qpos = {},
-             std::span<const std::int64_t> kpos = {}) {
+Tensor mha64(const MultiHeadAttention& m, const TensorView& xq, const TensorView& xkv,
+             const qkv::AttentionParams& ap, std::optional<TensorView> probs = std::nullopt,
+             std::span<const std::int64_t> qpos = {}, std::span<const std::int64_t> kpos = {}) {
   const auto& c = m.config();
   const std::int64_t B = xq.size(0), Sq = xq.size(1), Sk = xkv.size(1);
-  const Tensor q = linear64(xq, m.w_q(), m.b_q()), k = linear64(xkv, m.w_k(), m.b_k()), v = linear64(xkv, m.w_v(), m.b_v());
+  const Tensor q = linear64(xq, m.w_q(), m.b_q()), k = linear64(xkv, m.w_k(), m.b_k()),
+               v = linear64(xkv, m.w_v(), m.b_v());
   const TensorView qh(q.data(), DType::f64, {B, c.num_heads, Sq, c.head_dim},
                       {Sq * c.num_heads * c.head_dim, c.head_dim, c.num_heads * c.head_dim, 1});
   const TensorView kh(k.data(), DType::f64, {B, c.num_kv_heads, Sk, c.head_dim},
@@ -90,7 +92,8 @@ Tensor mha64(const MultiHeadAttention& m, const TensorView& xq, const TensorView
   for (std::int64_t r = 0; r < B * Sq; ++r)
     for (std::int64_t n = 0; n < N; ++n) {
       double acc = c.out_bias ? m.b_o().data_as<float>()[n] : 0.0;
-      for (std::int64_t k2 = 0; k2 < K; ++k2) acc += o.data_as<double>()[r * K + k2] * m.w_o().data_as<float>()[n * K + k2];
+      for (std::int64_t k2 = 0; k2 < K; ++k2)
+        acc += o.data_as<double>()[r * K + k2] * m.w_o().data_as<float>()[n * K + k2];
       y.data_as<double>()[r * N + n] = acc;
     }
   return y;
@@ -131,8 +134,10 @@ TEST_P(MhaVsFloat64, Agrees) {
   o.attention.window_left = cs.window_left;
   o.attention.softcap = cs.softcap;
   Tensor y(DType::f32, {cs.B, cs.Sq, dm});
-  if (cs.Sk < 0) m.forward(xq, y, o);
-  else m.forward(xq, xkv, y, o);
+  if (cs.Sk < 0)
+    m.forward(xq, y, o);
+  else
+    m.forward(xq, xkv, y, o);
   const Tensor want = mha64(m, xq, cs.Sk < 0 ? xq.view() : xkv.view(), o.attention);
   EXPECT_LE(max_err(y, want), 1e-5) << cs.name;
 }
@@ -162,14 +167,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"gqa_causal", cfg(32, 4, 2, 0, 0, false), 2, 9, -1, true, -1, 0.0},
                       Case{"mqa_window", cfg(24, 6, 1), 1, 11, -1, true, 3, 0.0},
                       Case{"d_ne_dmodel_dv", cfg(20, 4, 2, 12, 6), 2, 5, -1, false, -1, 0.0},
-                      Case{"rope_interleaved", cfg(32, 4, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 2, 8, -1,
-                           true, -1, 0.0},
-                      Case{"rope_half", cfg(48, 4, 4, 0, 0, true, rope(qkv::RopeStyle::half_split)), 1, 6, -1, false,
-                           -1, 0.0},
+                      Case{"rope_interleaved", cfg(32, 4, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)),
+                           2, 8, -1, true, -1, 0.0},
+                      Case{"rope_half", cfg(48, 4, 4, 0, 0, true, rope(qkv::RopeStyle::half_split)), 1, 6, -1,
+                           false, -1, 0.0},
                       Case{"softcap", cfg(16, 2, 2), 2, 4, -1, false, -1, 0.5},
                       Case{"cross", cfg(32, 4, 4), 2, 5, 9, false, -1, 0.0},
-                      Case{"cross_gqa_rope", cfg(32, 8, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 1, 3, 6,
-                           true, -1, 0.0},
+                      Case{"cross_gqa_rope", cfg(32, 8, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 1,
+                           3, 6, true, -1, 0.0},
                       Case{"seq1", cfg(8, 2, 1), 3, 1, -1, true, -1, 0.0}),
     [](const auto& info) { return std::string(info.param.name); });
 
@@ -231,6 +236,17 @@ TEST(Mha, StridedInputsAndInPlaceOutput) {
   EXPECT_LE(max_err(y, want), 1e-5);
   m.forward(x, x, o);  // y aliases x
   EXPECT_LE(max_err(x, want), 1e-5);
+
+  // One token per batch row, broadcast from a single row (batch stride 0), into a padded output.
+  const Tensor row = random_f32({16}, 8);
+  const TensorView xb(row.data(), DType::f32, {B, 1, 16}, {0, 16, 1});
+  Tensor xr(DType::f32, {B, 1, 16});
+  for (std::int64_t b = 0; b < B; ++b) std::memcpy(xr.data_as<float>() + b * 16, row.data(), 64);
+  const Tensor want1 = mha64(m, xr, xr, {});
+  Tensor ybuf(DType::f32, {B, 1, 24});
+  const TensorView yb(ybuf.data(), DType::f32, {B, 1, 16}, {24, 7, 1});
+  m.forward(xb, yb);
+  EXPECT_LE(max_err(yb, want1), 1e-5);
 }
 
 // Runs the layer over the KV cache in chunks and compares with the full causal forward.
@@ -245,13 +261,29 @@ void check_cached(const MultiHeadAttention& m, const std::vector<std::int64_t>& 
   qkv::KVCache cache(B, m.config().num_kv_heads, capacity, m.config().head_dim);
   if (fill_nan)
     for (const TensorView& s : {cache.keys(), cache.values()})
-      for (std::int64_t i = 0; i < s.numel(); ++i) s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+      for (std::int64_t i = 0; i < s.numel(); ++i)
+        s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
   Tensor y(DType::f32, {B, T, dm});
   std::int64_t t0 = 0;
   for (std::int64_t n : chunks) {
     const TensorView xs(x.data_as<float>() + t0 * dm, DType::f32, {B, n, dm}, {T * dm, dm, 1});
     const TensorView ys(y.data_as<float>() + t0 * dm, DType::f32, {B, n, dm}, {T * dm, dm, 1});
-    m.forward(xs, cache, ys, o);
+    // Averaged weights of the new queries over every cached key: rows sum to 1, zero beyond the diagonal.
+    Tensor w(DType::f32, {B, n, t0 + n});
+    MhaOptions ow = o;
+    ow.probs = w.view();
+    ow.average_heads = true;
+    m.forward(xs, cache, ys, ow);
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t i = 0; i < n; ++i) {
+        double sum = 0;
+        for (std::int64_t j = 0; j < t0 + n; ++j) {
+          const float pj = w.data_as<float>()[(b * n + i) * (t0 + n) + j];
+          sum += pj;
+          if (j > t0 + i) EXPECT_EQ(pj, 0.0f);
+        }
+        EXPECT_NEAR(sum, 1.0, 1e-5);
+      }
     t0 += n;
   }
   double e = 0;
@@ -336,11 +368,13 @@ TEST(Mha, LoadsPackedAndSeparateWeightNames) {
   std::map<std::string, Tensor> half;
   for (const auto& [name, t] : packed) {
     Tensor h(DType::f16, t.shape());
-    for (std::int64_t i = 0; i < t.numel(); ++i) h.data_as<std::uint16_t>()[i] = qkv::float_to_half(t.data_as<float>()[i]);
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      h.data_as<std::uint16_t>()[i] = qkv::float_to_half(t.data_as<float>()[i]);
     half.emplace(name, std::move(h));
   }
   a.load_weights(half, "self_attn.");
-  EXPECT_EQ(a.w_q().data_as<float>()[3], qkv::half_to_float(qkv::float_to_half(src.w_q().data_as<float>()[3])));
+  EXPECT_EQ(a.w_q().data_as<float>()[3],
+            qkv::half_to_float(qkv::float_to_half(src.w_q().data_as<float>()[3])));
 
   // Errors: wrong shape, missing tensor, bias disagreeing with the config, ambiguous names.
   std::map<std::string, Tensor> bad;
@@ -366,7 +400,7 @@ TEST(Mha, TorchMaskPolarityIsInverted) {
   Tensor kpm(DType::b8, {B, Sk});
   kpm.data_as<std::uint8_t>()[2] = 1;  // batch 0, key 2 is padding
   Tensor am(DType::b8, {Sq, Sk});
-  am.data_as<std::uint8_t>()[1] = 1;   // query 0 may not see key 1
+  am.data_as<std::uint8_t>()[1] = 1;  // query 0 may not see key 1
   const Tensor m = qkv::mask_from_torch(am.view(), kpm.view(), B, Hq, Sq, Sk);
   ASSERT_EQ(m.dtype(), DType::b8);
   ASSERT_EQ(m.shape(), (qkv::Shape{B, 1, Sq, Sk}));
@@ -402,6 +436,11 @@ TEST(Mha, TorchMaskPolarityIsInverted) {
 }
 
 TEST(Mha, RefusesBadConfigsAndInputs) {
+  {
+    const MultiHeadAttention empty;
+    Tensor x(DType::f32, {1, 1, 4}), y(DType::f32, {1, 1, 4});
+    EXPECT_THROW(empty.forward(x, y), qkv::Error);
+  }
   EXPECT_THROW(MultiHeadAttention(cfg(10, 4, 4)), qkv::Error);  // 10 % 4 without head_dim
   EXPECT_THROW(MultiHeadAttention(cfg(16, 4, 3)), qkv::Error);  // Hq % Hkv
   EXPECT_THROW(MultiHeadAttention(cfg(0, 4, 4)), qkv::Error);
@@ -425,6 +464,114 @@ TEST(Mha, RefusesBadConfigsAndInputs) {
   const Tensor xkv = random_f32({3, 3, 16}, 1);
   Tensor y3(DType::f32, {2, 3, 16});
   EXPECT_THROW(m.forward(x2, xkv, y3), qkv::Error);
+}
+
+}  // namespace
+
+namespace {
+
+// One attention block of llama2.c's run.c forward() for the token at `pos`, in its float
+// arithmetic: q = Wq x, k = Wk x, v = Wv x; RoPE on (even, odd) pairs; k, v into the cache;
+// per head softmax(q.k / sqrt(head_size)) over positions 0..pos (GQA: head h reads h / kv_mul);
+// out = Wo xb.
+void llama2c_attention(const float* x, int pos, int dim, int n_heads, int n_kv_heads, const float* wq,
+                       const float* wk, const float* wv, const float* wo, float* key_cache,
+                       float* value_cache, float* out) {
+  const int head_size = dim / n_heads, kv_dim = n_kv_heads * head_size, kv_mul = n_heads / n_kv_heads;
+  auto matmul = [](float* xout, const float* xin, const float* w, int n, int d) {
+    for (int i = 0; i < d; i++) {
+      float val = 0.0f;
+      for (int j = 0; j < n; j++) val += w[i * n + j] * xin[j];
+      xout[i] = val;
+    }
+  };
+  std::vector<float> q(dim), xb(dim), att(pos + 1);
+  float* k = key_cache + pos * kv_dim;
+  float* v = value_cache + pos * kv_dim;
+  matmul(q.data(), x, wq, dim, dim);
+  matmul(k, x, wk, dim, kv_dim);
+  matmul(v, x, wv, dim, kv_dim);
+  for (int i = 0; i < dim; i += 2) {
+    int head_dim = i % head_size;
+    float freq = 1.0f / powf(10000.0f, head_dim / static_cast<float>(head_size));
+    float val = pos * freq;
+    float fcr = cosf(val), fci = sinf(val);
+    int rotn = i < kv_dim ? 2 : 1;
+    for (int r = 0; r < rotn; r++) {
+      float* vec = r == 0 ? q.data() : k;
+      float v0 = vec[i], v1 = vec[i + 1];
+      vec[i] = v0 * fcr - v1 * fci;
+      vec[i + 1] = v0 * fci + v1 * fcr;
+    }
+  }
+  for (int h = 0; h < n_heads; h++) {
+    const float* qh = q.data() + h * head_size;
+    for (int t = 0; t <= pos; t++) {
+      const float* kt = key_cache + t * kv_dim + (h / kv_mul) * head_size;
+      float score = 0.0f;
+      for (int i = 0; i < head_size; i++) score += qh[i] * kt[i];
+      att[t] = score / sqrtf(static_cast<float>(head_size));
+    }
+    float max_val = att[0];
+    for (int t = 1; t <= pos; t++) max_val = std::max(max_val, att[t]);
+    float sum = 0.0f;
+    for (int t = 0; t <= pos; t++) sum += (att[t] = expf(att[t] - max_val));
+    for (int t = 0; t <= pos; t++) att[t] /= sum;
+    float* xh = xb.data() + h * head_size;
+    std::fill(xh, xh + head_size, 0.0f);
+    for (int t = 0; t <= pos; t++) {
+      const float* vt = value_cache + t * kv_dim + (h / kv_mul) * head_size;
+      for (int i = 0; i < head_size; i++) xh[i] += att[t] * vt[i];
+    }
+  }
+  matmul(out, xb.data(), wo, dim, dim);
+}
+
+TEST(Mha, MatchesLlama2cAttentionBlockTokenByTokenAndPrefill) {
+  // The stories260K shape: dim 64, 8 query heads, 4 KV heads, head_dim 8; RoPE as llama2.c.
+  const int dim = 64, Hq = 8, Hkv = 4, T = 12;
+  qkv::RopeConfig r;
+  r.angles = qkv::RopeAngles::llama2c_f32;
+  const MultiHeadAttention m = make_layer(cfg(dim, Hq, Hkv, 0, 0, false, r), 7);
+  const Tensor x = random_f32({1, T, dim}, 21);
+  std::vector<float> kc(T * dim), vc(T * dim), want(T * dim);
+  for (int pos = 0; pos < T; ++pos)
+    llama2c_attention(x.data_as<float>() + pos * dim, pos, dim, Hq, Hkv, m.w_q().data_as<float>(),
+                      m.w_k().data_as<float>(), m.w_v().data_as<float>(), m.w_o().data_as<float>(), kc.data(),
+                      vc.data(), want.data() + pos * dim);
+  MhaOptions o;
+  o.attention.causal = true;
+  // Token by token into a larger cache whose unused slots hold NaN.
+  qkv::KVCache cache(1, Hkv, 64, dim / Hq);
+  for (const TensorView& s : {cache.keys(), cache.values()})
+    for (std::int64_t i = 0; i < s.numel(); ++i)
+      s.data_as<float>()[i] = std::numeric_limits<float>::quiet_NaN();
+  Tensor y(DType::f32, {1, T, dim});
+  for (int pos = 0; pos < T; ++pos)
+    m.forward(TensorView(x.data_as<float>() + pos * dim, DType::f32, {1, 1, dim}), cache,
+              TensorView(y.data_as<float>() + pos * dim, DType::f32, {1, 1, dim}), o);
+  double e = 0;
+  for (int i = 0; i < T * dim; ++i)
+    e = std::max(e, std::abs(static_cast<double>(y.data_as<float>()[i]) - want[i]));
+  EXPECT_LE(e, 1e-5) << "decode";
+  // The cached keys are llama2.c's key cache, rotated: [Hkv, pos, D] vs [pos, Hkv*D].
+  for (int t = 0; t < T; ++t)
+    for (int h = 0; h < Hkv; ++h)
+      for (int d = 0; d < dim / Hq; ++d)
+        EXPECT_NEAR(cache.keys().data_as<float>()[(h * 64 + t) * (dim / Hq) + d],
+                    kc[t * Hkv * (dim / Hq) + h * 8 + d], 1e-5);
+  // Prefill of all T tokens at once, then the same through the plain self-attention forward.
+  qkv::KVCache fresh(1, Hkv, T, dim / Hq);
+  Tensor y2(DType::f32, {1, T, dim}), y3(DType::f32, {1, T, dim});
+  m.forward(x, fresh, y2, o);
+  m.forward(x, y3, o);
+  double e2 = 0, e3 = 0;
+  for (int i = 0; i < T * dim; ++i) {
+    e2 = std::max(e2, std::abs(static_cast<double>(y2.data_as<float>()[i]) - want[i]));
+    e3 = std::max(e3, std::abs(static_cast<double>(y3.data_as<float>()[i]) - want[i]));
+  }
+  EXPECT_LE(e2, 1e-5) << "prefill through the cache";
+  EXPECT_LE(e3, 1e-5) << "prefill without a cache";
 }
 
 }  // namespace

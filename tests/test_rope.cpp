@@ -24,8 +24,8 @@ Tensor random_f32(const qkv::Shape& shape, std::uint32_t seed) {
 }
 
 // Direct double-precision evaluation of the rotation for one vector.
-std::vector<double> rope_formula(const float* x, std::int64_t D, std::int64_t R, std::int64_t pos, double theta,
-                                 qkv::RopeStyle style) {
+std::vector<double> rope_formula(const float* x, std::int64_t D, std::int64_t R, std::int64_t pos,
+                                 double theta, qkv::RopeStyle style) {
   std::vector<double> y(x, x + D);
   for (std::int64_t j = 0; j < R / 2; ++j) {
     const double w = std::pow(theta, -2.0 * static_cast<double>(j) / static_cast<double>(R));
@@ -41,7 +41,8 @@ std::vector<double> rope_formula(const float* x, std::int64_t D, std::int64_t R,
 // [B,S,H,D] storage viewed as [B,H,S,D]: the layout of a projection buffer.
 TensorView bshd_as_bhsd(const Tensor& t) { return t.view().permute({0, 2, 1, 3}); }
 
-class RopeFormula : public ::testing::TestWithParam<std::tuple<qkv::RopeStyle, std::int64_t, std::int64_t>> {};
+class RopeFormula : public ::testing::TestWithParam<std::tuple<qkv::RopeStyle, std::int64_t, std::int64_t>> {
+};
 
 TEST_P(RopeFormula, MatchesDoubleFormulaOnStridedViews) {
   const auto [style, D, R] = GetParam();
@@ -62,7 +63,8 @@ TEST_P(RopeFormula, MatchesDoubleFormulaOnStridedViews) {
         const auto want = rope_formula(orig.data_as<float>() + off, D, R, pos[t], cfg.theta, style);
         for (std::int64_t d = 0; d < D; ++d) {
           max_err = std::max(max_err, std::abs(x.data_as<float>()[off + d] - want[d]));
-          if (d >= R) EXPECT_EQ(x.data_as<float>()[off + d], orig.data_as<float>()[off + d]) << "dim beyond rotary_dim";
+          if (d >= R)
+            EXPECT_EQ(x.data_as<float>()[off + d], orig.data_as<float>()[off + d]) << "dim beyond rotary_dim";
         }
       }
   EXPECT_LT(max_err, 2e-6) << "float32 rounding of the rotated values only";
@@ -95,7 +97,8 @@ TEST(Rope, Llama2cFloatModeIsBitExact) {
   qkv::RopeConfig cfg;
   cfg.angles = qkv::RopeAngles::llama2c_f32;
   qkv::apply_rope(x.view(), 0, cfg);
-  for (std::int64_t i = 0; i < x.numel(); ++i) EXPECT_EQ(x.data_as<float>()[i], want.data_as<float>()[i]) << i;
+  for (std::int64_t i = 0; i < x.numel(); ++i)
+    EXPECT_EQ(x.data_as<float>()[i], want.data_as<float>()[i]) << i;
 }
 
 TEST(Rope, DecodeStepEqualsPrefillRow) {
@@ -111,12 +114,13 @@ TEST(Rope, DecodeStepEqualsPrefillRow) {
       TensorView row(rows.data_as<float>() + p * D, DType::f32, {1, 2, 1, D}, {2 * S * D, S * D, D, 1});
       qkv::apply_rope(row, p, cfg);
     }
-    for (std::int64_t i = 0; i < all.numel(); ++i) ASSERT_EQ(all.data_as<float>()[i], rows.data_as<float>()[i]);
+    for (std::int64_t i = 0; i < all.numel(); ++i)
+      ASSERT_EQ(all.data_as<float>()[i], rows.data_as<float>()[i]);
   }
 }
 
 TEST(Rope, PerBatchPositionsAndRelativeProperty) {
-  // RoFormer eq. (16): <R(m) q, R(n) k> depends only on m - n.
+  // RoFormer sec. 3.2: <R(m) q, R(n) k> depends only on m - n.
   const std::int64_t D = 32;
   Tensor q = random_f32({1, 1, 1, D}, 1), k = random_f32({1, 1, 1, D}, 2);
   auto dot_at = [&](std::int64_t m, std::int64_t n) {
@@ -142,7 +146,8 @@ TEST(Rope, ThetaChangesTheAngles) {
   c2.theta = 500000.0;
   qkv::apply_rope(a.view(), 3, c1);
   qkv::apply_rope(b.view(), 3, c2);
-  const auto want = rope_formula(random_f32({8}, 5).data_as<float>(), 8, 8, 3, 500000.0, qkv::RopeStyle::interleaved);
+  const auto want =
+      rope_formula(random_f32({8}, 5).data_as<float>(), 8, 8, 3, 500000.0, qkv::RopeStyle::interleaved);
   for (int d = 0; d < 8; ++d) EXPECT_NEAR(b.data_as<float>()[d], want[d], 2e-6);
   EXPECT_NE(a.data_as<float>()[2], b.data_as<float>()[2]);
 }

@@ -28,7 +28,8 @@ std::filesystem::path tmp_dir() {
 }
 
 // A file image: 8-byte length, the header text, then `data` bytes.
-std::vector<std::byte> image(const std::string& header, std::size_t data_bytes, std::uint64_t declared = ~0ull) {
+std::vector<std::byte> image(const std::string& header, std::size_t data_bytes,
+                             std::uint64_t declared = ~0ull) {
   const std::uint64_t n = declared == ~0ull ? header.size() : declared;
   std::vector<std::byte> b(8 + header.size() + data_bytes, std::byte{0});
   for (int i = 0; i < 8; ++i) b[i] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
@@ -51,15 +52,24 @@ TEST(Safetensors, RoundTripOfEveryWritableDtypeWithMetadata) {
       i64(DType::i64, {2}), b(DType::b8, {3}), empty(DType::f32, {0, 5});
   for (int i = 0; i < 6; ++i) f32.data_as<float>()[i] = 0.5f * static_cast<float>(i) - 1.f;
   for (int i = 0; i < 4; ++i) f64.data_as<double>()[i] = 1.0 / (i + 3);
-  for (int i = 0; i < 3; ++i) f16.data_as<std::uint16_t>()[i] = qkv::float_to_half(1.5f * static_cast<float>(i));
-  for (int i = 0; i < 4; ++i) bf16.data_as<std::uint16_t>()[i] = qkv::float_to_bf16(-2.25f * static_cast<float>(i));
+  for (int i = 0; i < 3; ++i)
+    f16.data_as<std::uint16_t>()[i] = qkv::float_to_half(1.5f * static_cast<float>(i));
+  for (int i = 0; i < 4; ++i)
+    bf16.data_as<std::uint16_t>()[i] = qkv::float_to_bf16(-2.25f * static_cast<float>(i));
   i64.data_as<std::int64_t>()[1] = -7;
   b.data_as<std::uint8_t>()[2] = 1;
   // A strided (transposed) view is written in C order.
   const TensorView t = f32.view().permute({1, 0});
   const auto path = tmp_dir() / "round.safetensors";
-  qkv::write_safetensors(path, {{"a.weight", f32}, {"transposed", t}, {"f64", f64}, {"f16", f16}, {"bf16", bf16},
-                                {"i64", i64}, {"mask", b}, {"empty", empty}},
+  qkv::write_safetensors(path,
+                         {{"a.weight", f32},
+                          {"transposed", t},
+                          {"f64", f64},
+                          {"f16", f16},
+                          {"bf16", bf16},
+                          {"i64", i64},
+                          {"mask", b},
+                          {"empty", empty}},
                          {{"format", "pt"}, {"num_heads", "4"}});
   const SafetensorsFile f = SafetensorsFile::open(path);
   EXPECT_EQ(f.metadata().at("num_heads"), "4");
@@ -105,28 +115,35 @@ TEST(Safetensors, RefusesHostileFiles) {
   expect_refused(image("{\"w\": [1,2", 0), "malformed JSON");
   expect_refused(image("[1, 2, 3]", 0), "does not start with '{'");
   expect_refused(image("{" + ok_entry + "} trailing", 8), "malformed JSON");
-  expect_refused(image("{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}", 0), "nests deeper");
+  expect_refused(image("{\"a\":" + std::string(100000, '[') + std::string(100000, ']') + "}", 0),
+                 "nests deeper");
   expect_refused(image("{" + ok_entry + "," + ok_entry + "}", 8), "appears twice");
-  expect_refused(image(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4), "beyond the data buffer");
+  expect_refused(image(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 4),
+                 "beyond the data buffer");
   expect_refused(image(R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "needs 12 bytes");
   expect_refused(image(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8), "begin > end");
-  expect_refused(image(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "non-negative integer");
-  expect_refused(image(R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8), "non-negative integer");
-  expect_refused(image(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,-8]}})", 8), "pair of non-negative");
+  expect_refused(image(R"({"w":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8),
+                 "non-negative integer");
+  expect_refused(image(R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8),
+                 "non-negative integer");
+  expect_refused(image(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,-8]}})", 8),
+                 "pair of non-negative");
   expect_refused(image(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0]}})", 8), "pair of non-negative");
   expect_refused(image(R"({"w":{"dtype":"Q4","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype");
   expect_refused(image(R"({"w":{"dtype":"F32","shape":[2]}})", 8), "expected the fields");
   expect_refused(image(R"({"w":7})", 8), "not an object");
   expect_refused(image(R"({"__metadata__":{"a":1}})", 0), "not a string");
-  expect_refused(image(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}})", 8),
-                 "overflows");
+  expect_refused(
+      image(R"({"w":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,8]}})", 8),
+      "overflows");
   expect_refused(image(R"({"w":{"dtype":"F32","shape":[99999999999999999999],"data_offsets":[0,8]}})", 8),
                  "non-negative integer");
   expect_refused(image(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                        R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
                        12),
                  "overlap");
-  expect_refused(image("{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"\xff\xfe\":1}", 8), "");
+  expect_refused(image("{\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},\"\xff\xfe\":1}", 8),
+                 "");
   // An empty tensor shares an offset with another without overlapping it.
   EXPECT_NO_THROW(SafetensorsFile::parse(image(
       R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
@@ -184,7 +201,8 @@ TEST(Safetensors, RandomCorruptionNeverCrashes) {
     std::vector<std::byte> b(raw.size());
     std::memcpy(b.data(), raw.data(), raw.size());
     const int flips = 1 + static_cast<int>(rng() % 3);
-    for (int i = 0; i < flips; ++i) b[rng() % std::min<std::size_t>(b.size(), 120)] = static_cast<std::byte>(rng());
+    for (int i = 0; i < flips; ++i)
+      b[rng() % std::min<std::size_t>(b.size(), 120)] = static_cast<std::byte>(rng());
     try {
       const auto f = SafetensorsFile::parse(b);
       for (const auto& n : f.names()) {

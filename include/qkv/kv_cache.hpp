@@ -4,7 +4,7 @@
 ///
 /// During generation the keys and values of earlier tokens do not change, so they are stored
 /// once and each new token only computes its own q, k, v (Pope et al. 2022, "Efficiently Scaling
-/// Transformer Inference", sec. 2; the "KV cache" of every decoder runtime). A model holds one
+/// Transformer Inference"; the "KV cache" of every decoder runtime). A model holds one
 /// KVCache per layer.
 ///
 /// Storage, per layer:  K [B, Hkv, capacity, D],  V [B, Hkv, capacity, Dv], C-contiguous,
@@ -33,7 +33,7 @@
 namespace qkv {
 
 class KVCache {
-public:
+ public:
   KVCache() = default;
   /// Allocates K [B, Hkv, capacity, D] and V [B, Hkv, capacity, Dv] (zeroed), every length 0.
   /// @param dtype       storage: float32 (default), float64, bfloat16 or float16.
@@ -93,7 +93,9 @@ public:
   ///                kernel, num_threads; kv_lens must be empty (the cache supplies it) and align
   ///                must be bottom_right.
   /// If q's dtype differs from the storage dtype (e.g. float32 queries over a bfloat16 cache),
-  /// the cached positions are widened into a scratch buffer of q's dtype first.
+  /// the cached positions are converted into a capacity-sized copy of q's dtype, incrementally
+  /// (only positions appended since the previous call). After writing into keys()/values() below
+  /// length(b) directly, call truncate() so the copy is refreshed.
   /// @throws qkv::Error as qkv::attention(), or for kv_lens set / top_left alignment.
   void attend(const TensorView& q, const TensorView& out, const AttentionParams& params = {},
               const std::optional<TensorView>& softmax_lse = std::nullopt,
@@ -108,12 +110,13 @@ public:
   /// @throws qkv::Error if lengths has other than B entries or a negative entry.
   void truncate(std::span<const std::int64_t> lengths);
 
-private:
+ private:
   std::int64_t B_ = 0, Hkv_ = 0, capacity_ = 0, D_ = 0, Dv_ = 0;
   DType dtype_ = DType::f32;
   Tensor k_, v_;
   std::vector<std::int64_t> lengths_;
-  Tensor scratch_k_, scratch_v_;  // widened copies for attend() when q's dtype differs
+  Tensor scratch_k_, scratch_v_;       // copies in q's dtype for attend() when it differs
+  std::vector<std::int64_t> widened_;  // per sequence: positions [0, widened_) of the copies are current
 };
 
 }  // namespace qkv

@@ -37,14 +37,14 @@ namespace qkv {
 
 /// Shape of a MultiHeadAttention layer. Zero fields take the defaults noted.
 struct MhaConfig {
-  std::int64_t d_model = 0;       ///< model width (input and output features), >= 1
-  std::int64_t num_heads = 0;     ///< Hq, >= 1
-  std::int64_t num_kv_heads = 0;  ///< Hkv, divides Hq; 0 = Hq (1 = multi-query attention)
-  std::int64_t head_dim = 0;      ///< D; 0 = d_model / Hq (then Hq must divide d_model)
-  std::int64_t head_dim_v = 0;    ///< Dv; 0 = D
-  bool qkv_bias = true;           ///< biases b_Q, b_K, b_V (PyTorch `bias=True`; Llama: false)
-  bool out_bias = true;           ///< bias b_O
-  std::optional<RopeConfig> rope; ///< RoPE on q and k after their projections (none by default)
+  std::int64_t d_model = 0;        ///< model width (input and output features), >= 1
+  std::int64_t num_heads = 0;      ///< Hq, >= 1
+  std::int64_t num_kv_heads = 0;   ///< Hkv, divides Hq; 0 = Hq (1 = multi-query attention)
+  std::int64_t head_dim = 0;       ///< D; 0 = d_model / Hq (then Hq must divide d_model)
+  std::int64_t head_dim_v = 0;     ///< Dv; 0 = D
+  bool qkv_bias = true;            ///< biases b_Q, b_K, b_V (PyTorch `bias=True`; Llama: false)
+  bool out_bias = true;            ///< bias b_O
+  std::optional<RopeConfig> rope;  ///< RoPE on q and k after their projections (none by default)
 };
 
 /// Per-call options of MultiHeadAttention::forward().
@@ -60,13 +60,14 @@ struct MhaOptions {
   std::span<const std::int64_t> k_positions;
   /// Optional attention weights (written): float32 [B, Hq, Sq, Sk], or [B, Sq, Sk] averaged over
   /// the heads when average_heads (PyTorch `average_attn_weights=True`). Requires a kernel that
-  /// can return them (the reference always can).
+  /// can return them (the reference always can). With a KV cache, Sk is the cache's max_length()
+  /// after the new tokens are appended.
   std::optional<TensorView> probs;
   bool average_heads = false;
 };
 
 class MultiHeadAttention {
-public:
+ public:
   MultiHeadAttention() = default;
   /// Allocates zeroed weights for `config` (defaults resolved: config() reports every field).
   /// @throws qkv::Error for d_model/num_heads < 1, Hq % Hkv != 0, D unspecified with
@@ -118,9 +119,10 @@ public:
   /// exactly the full-sequence causal result). options.attention.kv_lens must be empty.
   /// @throws qkv::Error as forward(), for a cache whose B/Hkv/D/Dv differ from the layer's, or
   ///         when the cache would overflow its capacity (nothing is appended then).
-  void forward(const TensorView& x, KVCache& cache, const TensorView& y, const MhaOptions& options = {}) const;
+  void forward(const TensorView& x, KVCache& cache, const TensorView& y,
+               const MhaOptions& options = {}) const;
 
-private:
+ private:
   MhaConfig cfg_;
   Tensor w_in_, b_in_, w_o_, b_o_;
 };
@@ -145,7 +147,8 @@ MhaConfig infer_mha_config(const std::map<std::string, Tensor>& tensors, std::in
 ///         given mask is bool, else float32 additive (-inf where a bool mask said ignore).
 ///         An empty Tensor when neither mask is given.
 /// @throws qkv::Error for shapes other than the above or non-bool/float dtypes.
-Tensor mask_from_torch(const std::optional<TensorView>& attn_mask, const std::optional<TensorView>& key_padding_mask,
-                       std::int64_t B, std::int64_t Hq, std::int64_t Sq, std::int64_t Sk);
+Tensor mask_from_torch(const std::optional<TensorView>& attn_mask,
+                       const std::optional<TensorView>& key_padding_mask, std::int64_t B, std::int64_t Hq,
+                       std::int64_t Sq, std::int64_t Sk);
 
 }  // namespace qkv

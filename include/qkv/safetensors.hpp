@@ -35,14 +35,14 @@ namespace qkv {
 
 /// One entry of a safetensors header.
 struct SafetensorsEntry {
-  std::string dtype;    ///< as in the file: "F32", "BF16", ...
+  std::string dtype;  ///< as in the file: "F32", "BF16", ...
   Shape shape;
   std::uint64_t begin = 0, end = 0;  ///< byte range in the data buffer
 };
 
 /// An opened, validated safetensors file. Cheap to copy (the bytes are shared).
 class SafetensorsFile {
-public:
+ public:
   /// Opens and validates `path` (memory-mapped). @throws qkv::Error as described above.
   static SafetensorsFile open(const std::filesystem::path& path);
   /// Validates bytes held in memory (copied). `name` is used in messages.
@@ -62,7 +62,7 @@ public:
   /// Every tensor, loaded as load() does.
   std::map<std::string, Tensor> load_all() const;
 
-private:
+ private:
   std::string file_;
   std::shared_ptr<const void> owner_;
   const std::byte* data_ = nullptr;  // start of the data buffer
@@ -70,8 +70,8 @@ private:
   std::map<std::string, SafetensorsEntry> entries_;
   std::vector<std::string> names_;
   std::map<std::string, std::string> metadata_;
-  static SafetensorsFile from_bytes(std::shared_ptr<const void> owner, const std::byte* bytes, std::uint64_t size,
-                                    const std::string& name);
+  static SafetensorsFile from_bytes(std::shared_ptr<const void> owner, const std::byte* bytes,
+                                    std::uint64_t size, const std::string& name);
 };
 
 /// Reads every tensor of a safetensors file (see SafetensorsFile::load for dtypes).

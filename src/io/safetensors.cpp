@@ -17,9 +17,9 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
-#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
+#include "tensor/convert.hpp"
 
 static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
 
@@ -38,7 +38,7 @@ using json = nlohmann::json;
 // Bytes per element of every dtype the format defines (0 = unknown).
 std::size_t itemsize(const std::string& d) {
   static const std::map<std::string, std::size_t> sizes = {
-      {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8}, {"I32", 4}, {"I16", 2}, {"I8", 1},
+      {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8},  {"I32", 4},     {"I16", 2},    {"I8", 1},
       {"U64", 8}, {"U32", 4}, {"U16", 2}, {"U8", 1},   {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
   auto it = sizes.find(d);
   return it == sizes.end() ? 0 : it->second;
@@ -51,8 +51,10 @@ int json_depth(std::string_view s) {
   for (std::size_t i = 0; i < s.size(); ++i) {
     const char c = s[i];
     if (in_str) {
-      if (c == '\\') ++i;
-      else if (c == '"') in_str = false;
+      if (c == '\\')
+        ++i;
+      else if (c == '"')
+        in_str = false;
     } else if (c == '"') {
       in_str = true;
     } else if (c == '[' || c == '{') {
@@ -67,13 +69,20 @@ int json_depth(std::string_view s) {
 
 std::string dtype_tag(DType d) {
   switch (d) {
-    case DType::f32: return "F32";
-    case DType::f64: return "F64";
-    case DType::f16: return "F16";
-    case DType::bf16: return "BF16";
-    case DType::i32: return "I32";
-    case DType::i64: return "I64";
-    case DType::b8: return "BOOL";
+    case DType::f32:
+      return "F32";
+    case DType::f64:
+      return "F64";
+    case DType::f16:
+      return "F16";
+    case DType::bf16:
+      return "BF16";
+    case DType::i32:
+      return "I32";
+    case DType::i64:
+      return "I64";
+    case DType::b8:
+      return "BOOL";
   }
   return "?";
 }
@@ -82,9 +91,11 @@ std::string dtype_tag(DType d) {
 
 SafetensorsFile SafetensorsFile::from_bytes(std::shared_ptr<const void> owner, const std::byte* bytes,
                                             std::uint64_t size, const std::string& name) {
-  if (size < 8) fail(name, "the file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  if (size < 8)
+    fail(name, "the file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   std::uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
+  for (int i = 0; i < 8; ++i)
+    n |= static_cast<std::uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
   if (n > kMaxHeader) fail(name, "header length " + std::to_string(n) + " exceeds the 100 MB limit");
   if (n > size - 8)
     fail(name, "header length " + std::to_string(n) + " exceeds the file (" + std::to_string(size - 8) +
@@ -92,7 +103,8 @@ SafetensorsFile SafetensorsFile::from_bytes(std::shared_ptr<const void> owner, c
   if (n < 2) fail(name, "header length " + std::to_string(n) + " is too short for a JSON object");
   const std::string_view text(reinterpret_cast<const char*>(bytes + 8), static_cast<std::size_t>(n));
   if (text.front() != '{') fail(name, "the header does not start with '{'");
-  if (json_depth(text) > kMaxDepth) fail(name, "the header nests deeper than " + std::to_string(kMaxDepth) + " levels");
+  if (json_depth(text) > kMaxDepth)
+    fail(name, "the header nests deeper than " + std::to_string(kMaxDepth) + " levels");
 
   SafetensorsFile f;
   f.file_ = name;
@@ -154,7 +166,8 @@ SafetensorsFile SafetensorsFile::from_bytes(std::shared_ptr<const void> owner, c
       e.begin = jo[0].get<std::uint64_t>();
       e.end = jo[1].get<std::uint64_t>();
       if (e.begin > e.end)
-        fail(name, where + "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) + "] has begin > end");
+        fail(name, where + "data_offsets [" + std::to_string(e.begin) + ", " + std::to_string(e.end) +
+                       "] has begin > end");
       if (e.end > f.data_size_)
         fail(name, where + "data_offsets end " + std::to_string(e.end) + " is beyond the data buffer (" +
                        std::to_string(f.data_size_) + " bytes)");
@@ -200,11 +213,15 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   const std::string name = path.string();
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw Error(name + ": cannot open: " + std::strerror(errno));
-  struct Closer { int fd; ~Closer() { ::close(fd); } } closer{fd};
-  struct stat st{};
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat st {};
   if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) throw Error(name + ": not a regular file");
   const auto size = static_cast<std::uint64_t>(st.st_size);
-  if (size < 8) fail(name, "the file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+  if (size < 8)
+    fail(name, "the file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   if (m == MAP_FAILED) throw Error(name + ": cannot map the file: " + std::strerror(errno));
   std::shared_ptr<const void> owner(m, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
@@ -226,13 +243,20 @@ const SafetensorsEntry& SafetensorsFile::entry(const std::string& name) const {
 Tensor SafetensorsFile::load(const std::string& name) const {
   const SafetensorsEntry& e = entry(name);
   DType src;
-  if (e.dtype == "F32") src = DType::f32;
-  else if (e.dtype == "F64") src = DType::f64;
-  else if (e.dtype == "F16") src = DType::f16;
-  else if (e.dtype == "BF16") src = DType::bf16;
-  else if (e.dtype == "I32") src = DType::i32;
-  else if (e.dtype == "I64") src = DType::i64;
-  else if (e.dtype == "BOOL") src = DType::b8;
+  if (e.dtype == "F32")
+    src = DType::f32;
+  else if (e.dtype == "F64")
+    src = DType::f64;
+  else if (e.dtype == "F16")
+    src = DType::f16;
+  else if (e.dtype == "BF16")
+    src = DType::bf16;
+  else if (e.dtype == "I32")
+    src = DType::i32;
+  else if (e.dtype == "I64")
+    src = DType::i64;
+  else if (e.dtype == "BOOL")
+    src = DType::b8;
   else
     throw Error(file_ + ": tensor '" + name + "': dtype " + e.dtype +
                 " is not supported (expected F32, F16, BF16, F64, I32, I64 or BOOL)");
@@ -255,7 +279,8 @@ std::map<std::string, Tensor> read_safetensors(const std::filesystem::path& path
   return SafetensorsFile::open(path).load_all();
 }
 
-void write_safetensors(const std::filesystem::path& path, const std::vector<std::pair<std::string, TensorView>>& tensors,
+void write_safetensors(const std::filesystem::path& path,
+                       const std::vector<std::pair<std::string, TensorView>>& tensors,
                        const std::map<std::string, std::string>& metadata) {
   json h = json::object();
   if (!metadata.empty()) h["__metadata__"] = metadata;
@@ -265,8 +290,9 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<std:
     if (n.empty() || n == "__metadata__")
       throw Error(path.string() + ": tensor name '" + n + "' is not allowed");
     if (!names.insert(n).second) throw Error(path.string() + ": tensor name '" + n + "' given twice");
-    const std::uint64_t bytes = static_cast<std::uint64_t>(checked_numel(t.shape(), dtype_size(t.dtype()), n)) *
-                                dtype_size(t.dtype());
+    const std::uint64_t bytes =
+        static_cast<std::uint64_t>(checked_numel(t.shape(), dtype_size(t.dtype()), n)) *
+        dtype_size(t.dtype());
     if (!t.data() && bytes) throw Error(path.string() + ": tensor '" + n + "': data pointer is null");
     h[n] = {{"dtype", dtype_tag(t.dtype())}, {"shape", t.shape()}, {"data_offsets", {off, off + bytes}}};
     off += bytes;
@@ -280,13 +306,15 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<std:
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
     if (!f) throw Error(path.string() + ": cannot open for writing");
     unsigned char len[8];
-    for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
+    for (int i = 0; i < 8; ++i)
+      len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
     f.write(reinterpret_cast<const char*>(len), 8);
     f.write(header.data(), static_cast<std::streamsize>(header.size()));
     for (const auto& [n, t] : tensors) {
       const Tensor c = t.is_contiguous() ? Tensor() : to_contiguous(t, t.dtype());
       const void* src = t.is_contiguous() ? t.data() : c.data();
-      const auto bytes = static_cast<std::streamsize>(t.numel() * static_cast<std::int64_t>(dtype_size(t.dtype())));
+      const auto bytes =
+          static_cast<std::streamsize>(t.numel() * static_cast<std::int64_t>(dtype_size(t.dtype())));
       if (bytes) f.write(static_cast<const char*>(src), bytes);
     }
     f.flush();

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <string>
 
-#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
+#include "tensor/convert.hpp"
 
 namespace qkv {
 namespace {
@@ -19,14 +19,15 @@ void check_kv_input(const TensorView& t, const char* name, const char* axes, std
     throw Error(std::string("kv_cache: ") + name + ": expected a 4-D tensor " + axes + ", got shape " +
                 shape_str(t.shape()));
   if (t.size(3) > 1 && t.stride(3) != 1)
-    throw Error(std::string("kv_cache: ") + name + ": expected a contiguous last dimension (stride 1), got stride " +
-                s(t.stride(3)));
+    throw Error(std::string("kv_cache: ") + name +
+                ": expected a contiguous last dimension (stride 1), got stride " + s(t.stride(3)));
   if (!detail::is_float_dtype(t.dtype()))
-    throw Error(std::string("kv_cache: ") + name + ": expected dtype float32, float64, float16 or bfloat16, got " +
+    throw Error(std::string("kv_cache: ") + name +
+                ": expected dtype float32, float64, float16 or bfloat16, got " +
                 std::string(dtype_name(t.dtype())));
   if (t.size(0) != B || t.size(1) != Hkv || t.size(3) != X)
-    throw Error(std::string("kv_cache: ") + name + ": expected " + axes + " with B = " + s(B) + ", Hkv = " + s(Hkv) +
-                ", " + xl + " = " + s(X) + " (the cache's), got shape " + shape_str(t.shape()));
+    throw Error(std::string("kv_cache: ") + name + ": expected " + axes + " with B = " + s(B) + ", Hkv = " +
+                s(Hkv) + ", " + xl + " = " + s(X) + " (the cache's), got shape " + shape_str(t.shape()));
   if (!t.data() && t.numel() > 0) throw Error(std::string("kv_cache: ") + name + ": data pointer is null");
 }
 
@@ -34,11 +35,15 @@ void check_kv_input(const TensorView& t, const char* name, const char* axes, std
 
 KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t capacity, std::int64_t head_dim,
                  DType dtype, std::int64_t head_dim_v)
-    : B_(batch), Hkv_(num_kv_heads), capacity_(capacity), D_(head_dim), Dv_(head_dim_v ? head_dim_v : head_dim),
+    : B_(batch),
+      Hkv_(num_kv_heads),
+      capacity_(capacity),
+      D_(head_dim),
+      Dv_(head_dim_v ? head_dim_v : head_dim),
       dtype_(dtype) {
   if (batch < 0 || num_kv_heads < 0 || capacity < 0)
-    throw Error("kv_cache: expected batch, num_kv_heads and capacity >= 0, got B = " + s(batch) + ", Hkv = " +
-                s(num_kv_heads) + ", capacity = " + s(capacity));
+    throw Error("kv_cache: expected batch, num_kv_heads and capacity >= 0, got B = " + s(batch) +
+                ", Hkv = " + s(num_kv_heads) + ", capacity = " + s(capacity));
   if (head_dim < 1 || head_dim_v < 0)
     throw Error("kv_cache: expected head_dim D >= 1 and head_dim_v Dv >= 0 (0 = D), got D = " + s(head_dim) +
                 ", Dv = " + s(head_dim_v));
@@ -50,10 +55,12 @@ KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t cap
   k_ = Tensor(dtype, {B_, Hkv_, capacity_, D_});
   v_ = Tensor(dtype, {B_, Hkv_, capacity_, Dv_});
   lengths_.assign(static_cast<std::size_t>(B_), 0);
+  widened_.assign(static_cast<std::size_t>(B_), 0);
 }
 
 std::int64_t KVCache::length(std::int64_t b) const {
-  if (b < 0 || b >= B_) throw Error("kv_cache: b: expected a sequence index in [0, " + s(B_) + "), got " + s(b));
+  if (b < 0 || b >= B_)
+    throw Error("kv_cache: b: expected a sequence index in [0, " + s(B_) + "), got " + s(b));
   return lengths_[static_cast<std::size_t>(b)];
 }
 
@@ -64,7 +71,8 @@ std::int64_t KVCache::max_length() const noexcept {
 }
 
 TensorView KVCache::active_keys() const {
-  return TensorView(k_.data(), dtype_, {B_, Hkv_, max_length(), D_}, {Hkv_ * capacity_ * D_, capacity_ * D_, D_, 1});
+  return TensorView(k_.data(), dtype_, {B_, Hkv_, max_length(), D_},
+                    {Hkv_ * capacity_ * D_, capacity_ * D_, D_, 1});
 }
 
 TensorView KVCache::active_values() const {
@@ -72,16 +80,20 @@ TensorView KVCache::active_values() const {
                     {Hkv_ * capacity_ * Dv_, capacity_ * Dv_, Dv_, 1});
 }
 
-std::vector<std::int64_t> KVCache::next_positions(std::int64_t S, std::span<const std::int64_t> counts) const {
+std::vector<std::int64_t> KVCache::next_positions(std::int64_t S,
+                                                  std::span<const std::int64_t> counts) const {
   if (S < 0) throw Error("kv_cache: S: expected a token count >= 0, got " + s(S));
   if (!counts.empty() && static_cast<std::int64_t>(counts.size()) != B_)
-    throw Error("kv_cache: counts: expected B = " + s(B_) + " entries, got " + s(static_cast<std::int64_t>(counts.size())));
+    throw Error("kv_cache: counts: expected B = " + s(B_) + " entries, got " +
+                s(static_cast<std::int64_t>(counts.size())));
   std::vector<std::int64_t> pos(static_cast<std::size_t>(B_ * S));
   for (std::int64_t b = 0; b < B_; ++b) {
-    const std::int64_t start = lengths_[static_cast<std::size_t>(b)] - (counts.empty() ? 0 : S - counts[static_cast<std::size_t>(b)]);
+    const std::int64_t start = lengths_[static_cast<std::size_t>(b)] -
+                               (counts.empty() ? 0 : S - counts[static_cast<std::size_t>(b)]);
     // Padding rows of a ragged batch would get negative positions; clamp them to 0 (their
     // outputs are ignored, and RoPE refuses negative positions).
-    for (std::int64_t t = 0; t < S; ++t) pos[static_cast<std::size_t>(b * S + t)] = std::max<std::int64_t>(0, start + t);
+    for (std::int64_t t = 0; t < S; ++t)
+      pos[static_cast<std::size_t>(b * S + t)] = std::max<std::int64_t>(0, start + t);
   }
   return pos;
 }
@@ -93,11 +105,13 @@ void KVCache::append(const TensorView& k, const TensorView& v, std::span<const s
   if (v.size(2) != S)
     throw Error("kv_cache: v: expected [B,Hkv,S,Dv] with S == k.S (" + s(S) + "), got S = " + s(v.size(2)));
   if (!counts.empty() && static_cast<std::int64_t>(counts.size()) != B_)
-    throw Error("kv_cache: counts: expected B = " + s(B_) + " entries, got " + s(static_cast<std::int64_t>(counts.size())));
+    throw Error("kv_cache: counts: expected B = " + s(B_) + " entries, got " +
+                s(static_cast<std::int64_t>(counts.size())));
   for (std::int64_t b = 0; b < B_; ++b) {
     const std::int64_t n = counts.empty() ? S : counts[static_cast<std::size_t>(b)];
     if (n < 0 || n > S)
-      throw Error("kv_cache: counts: expected each count in [0, S] = [0, " + s(S) + "], got " + s(n) + " at batch " + s(b));
+      throw Error("kv_cache: counts: expected each count in [0, S] = [0, " + s(S) + "], got " + s(n) +
+                  " at batch " + s(b));
     const std::int64_t len = lengths_[static_cast<std::size_t>(b)];
     if (n > capacity_ - len)
       throw Error("kv_cache: append of " + s(n) + " tokens to sequence " + s(b) + " at length " + s(len) +
@@ -116,10 +130,12 @@ void KVCache::append(const TensorView& k, const TensorView& v, std::span<const s
       for (std::int64_t t = 0; t < n; ++t) {
         const std::int64_t row = S - n + t;  // ragged batches take their last n rows
         const std::int64_t slot = ((b * Hkv_ + h) * capacity_ + len + t);
-        detail::convert_row(ks + (b * k.stride(0) + h * k.stride(1) + row * k.stride(2)) * static_cast<std::int64_t>(kes),
-                            k.dtype(), kd + slot * D_ * static_cast<std::int64_t>(es), dtype_, D_);
-        detail::convert_row(vs + (b * v.stride(0) + h * v.stride(1) + row * v.stride(2)) * static_cast<std::int64_t>(ves),
-                            v.dtype(), vd + slot * Dv_ * static_cast<std::int64_t>(es), dtype_, Dv_);
+        detail::convert_row(
+            ks + (b * k.stride(0) + h * k.stride(1) + row * k.stride(2)) * static_cast<std::int64_t>(kes),
+            k.dtype(), kd + slot * D_ * static_cast<std::int64_t>(es), dtype_, D_);
+        detail::convert_row(
+            vs + (b * v.stride(0) + h * v.stride(1) + row * v.stride(2)) * static_cast<std::int64_t>(ves),
+            v.dtype(), vd + slot * Dv_ * static_cast<std::int64_t>(es), dtype_, Dv_);
       }
     lengths_[static_cast<std::size_t>(b)] = len + n;
   }
@@ -130,52 +146,71 @@ void KVCache::attend(const TensorView& q, const TensorView& out, const Attention
   if (params.kv_lens)
     throw Error("kv_cache: params.kv_lens: expected none (the cache supplies its per-sequence lengths)");
   if (params.align != Alignment::bottom_right)
-    throw Error("kv_cache: params.align: expected bottom_right (queries are the newest cached tokens), got top_left");
+    throw Error(
+        "kv_cache: params.align: expected bottom_right (queries are the newest cached tokens), got top_left");
   if (q.rank() == 4 && q.size(0) != B_)
-    throw Error("kv_cache: q: expected [B,Hq,Sq,D] with B == cache B (" + s(B_) + "), got shape " + shape_str(q.shape()));
+    throw Error("kv_cache: q: expected [B,Hq,Sq,D] with B == cache B (" + s(B_) + "), got shape " +
+                shape_str(q.shape()));
   AttentionParams p = params;
   const TensorView lens(lengths_.data(), DType::i64, {B_});
   p.kv_lens = lens;
   TensorView k = active_keys(), v = active_values();
   if (detail::is_float_dtype(q.dtype()) && q.dtype() != dtype_) {
-    // Widen (or narrow) only the live positions of each sequence; the rest stay unread.
-    const std::int64_t L = max_length();
-    if (scratch_k_.dtype() != q.dtype() || scratch_k_.numel() < B_ * Hkv_ * L * D_ ||
-        scratch_v_.numel() < B_ * Hkv_ * L * Dv_) {
-      scratch_k_ = Tensor(q.dtype(), {B_ * Hkv_ * L * D_});
-      scratch_v_ = Tensor(q.dtype(), {B_ * Hkv_ * L * Dv_});
+    // Keep a copy in q's dtype, converted incrementally: only positions appended since the last
+    // call are converted, so a decode step costs O(new tokens), not O(cached tokens).
+    if (scratch_k_.dtype() != q.dtype() || scratch_k_.numel() != k_.numel()) {
+      scratch_k_ = Tensor(q.dtype(), k_.shape());
+      scratch_v_ = Tensor(q.dtype(), v_.shape());
+      std::fill(widened_.begin(), widened_.end(), 0);
     }
-    const std::size_t es = dtype_size(dtype_), qs = dtype_size(q.dtype());
-    for (std::int64_t b = 0; b < B_; ++b)
+    const auto es = static_cast<std::int64_t>(dtype_size(dtype_)),
+               qs = static_cast<std::int64_t>(dtype_size(q.dtype()));
+    for (std::int64_t b = 0; b < B_; ++b) {
+      const std::int64_t to = lengths_[static_cast<std::size_t>(b)];
+      const std::int64_t from = std::min(widened_[static_cast<std::size_t>(b)], to);
       for (std::int64_t h = 0; h < Hkv_; ++h) {
-        const std::int64_t n = lengths_[static_cast<std::size_t>(b)];
-        const std::int64_t src = (b * Hkv_ + h) * capacity_, dst = (b * Hkv_ + h) * L;
-        detail::convert_row(static_cast<const char*>(k_.data()) + src * D_ * static_cast<std::int64_t>(es), dtype_,
-                            static_cast<char*>(scratch_k_.data()) + dst * D_ * static_cast<std::int64_t>(qs), q.dtype(),
-                            n * D_);
-        detail::convert_row(static_cast<const char*>(v_.data()) + src * Dv_ * static_cast<std::int64_t>(es), dtype_,
-                            static_cast<char*>(scratch_v_.data()) + dst * Dv_ * static_cast<std::int64_t>(qs), q.dtype(),
-                            n * Dv_);
+        const std::int64_t row = (b * Hkv_ + h) * capacity_ + from;
+        detail::convert_row(static_cast<const char*>(k_.data()) + row * D_ * es, dtype_,
+                            static_cast<char*>(scratch_k_.data()) + row * D_ * qs, q.dtype(),
+                            (to - from) * D_);
+        detail::convert_row(static_cast<const char*>(v_.data()) + row * Dv_ * es, dtype_,
+                            static_cast<char*>(scratch_v_.data()) + row * Dv_ * qs, q.dtype(),
+                            (to - from) * Dv_);
       }
-    k = TensorView(scratch_k_.data(), q.dtype(), {B_, Hkv_, L, D_});
-    v = TensorView(scratch_v_.data(), q.dtype(), {B_, Hkv_, L, Dv_});
+      widened_[static_cast<std::size_t>(b)] = to;
+    }
+    const std::int64_t L = max_length();
+    k = TensorView(scratch_k_.data(), q.dtype(), {B_, Hkv_, L, D_},
+                   {Hkv_ * capacity_ * D_, capacity_ * D_, D_, 1});
+    v = TensorView(scratch_v_.data(), q.dtype(), {B_, Hkv_, L, Dv_},
+                   {Hkv_ * capacity_ * Dv_, capacity_ * Dv_, Dv_, 1});
   }
   attention(q, k, v, out, p, softmax_lse, probs);
 }
 
-void KVCache::clear() noexcept { std::fill(lengths_.begin(), lengths_.end(), 0); }
+void KVCache::clear() noexcept {
+  std::fill(lengths_.begin(), lengths_.end(), 0);
+  std::fill(widened_.begin(), widened_.end(), 0);
+}
 
 void KVCache::truncate(std::int64_t length) {
   if (length < 0) throw Error("kv_cache: length: expected >= 0, got " + s(length));
   for (auto& l : lengths_) l = std::min(l, length);
+  for (auto& w : widened_) w = std::min(w, length);
 }
 
 void KVCache::truncate(std::span<const std::int64_t> lengths) {
   if (static_cast<std::int64_t>(lengths.size()) != B_)
-    throw Error("kv_cache: lengths: expected B = " + s(B_) + " entries, got " + s(static_cast<std::int64_t>(lengths.size())));
+    throw Error("kv_cache: lengths: expected B = " + s(B_) + " entries, got " +
+                s(static_cast<std::int64_t>(lengths.size())));
   for (std::size_t b = 0; b < lengths.size(); ++b)
-    if (lengths[b] < 0) throw Error("kv_cache: lengths: expected >= 0, got " + s(lengths[b]) + " at batch " + s(static_cast<std::int64_t>(b)));
-  for (std::size_t b = 0; b < lengths.size(); ++b) lengths_[b] = std::min(lengths_[b], lengths[b]);
+    if (lengths[b] < 0)
+      throw Error("kv_cache: lengths: expected >= 0, got " + s(lengths[b]) + " at batch " +
+                  s(static_cast<std::int64_t>(b)));
+  for (std::size_t b = 0; b < lengths.size(); ++b) {
+    lengths_[b] = std::min(lengths_[b], lengths[b]);
+    widened_[b] = std::min(widened_[b], lengths_[b]);
+  }
 }
 
 }  // namespace qkv

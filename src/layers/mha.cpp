@@ -14,59 +14,79 @@
 #include <string>
 #include <vector>
 
-#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
+#include "tensor/convert.hpp"
 
 namespace qkv {
 namespace {
 
 std::string s(std::int64_t x) { return std::to_string(x); }
 
-// y[r, :] = x[r, :] W^T + bias over the rows of a [B, S, K] view (contiguous last dim) into a
-// [B, S, N] destination with row stride ldc and batch stride sbc (elements).
-void linear(const TensorView& x, const float* w, std::int64_t ldw, std::int64_t N, const float* bias, float* c,
-            std::int64_t sbc, std::int64_t ldc) {
+// Pitch (elements) between consecutive flattened (b, s) rows of a [B, S, width] layout with
+// strides s0, s1, or 0 if the rows are not evenly spaced at >= width apart.
+std::int64_t row_pitch(std::int64_t B, std::int64_t S, std::int64_t s0, std::int64_t s1, std::int64_t width) {
+  std::int64_t pitch = 0;
+  if (B * S <= 1)
+    pitch = width;
+  else if (S == 1)
+    pitch = s0;
+  else if (B == 1 || s0 == S * s1)
+    pitch = s1;
+  return pitch >= width ? pitch : 0;
+}
+
+// c[b, s, :] = x[b, s, :] W^T + bias for a [B, S, K] view x (contiguous last dim) and a
+// [B, S, N] destination with strides (sbc, ldc, 1). One GEMM over all B*S rows when both sides
+// are evenly spaced, else one per batch row.
+void linear(const TensorView& x, const float* w, std::int64_t ldw, std::int64_t N, const float* bias,
+            float* c, std::int64_t sbc, std::int64_t ldc) {
   const std::int64_t B = x.size(0), S = x.size(1), K = x.size(2);
   if (B == 0 || S == 0 || N == 0) return;
   const auto* xd = x.data_as<const float>();
-  auto fill_bias = [&](float* dst, std::int64_t rows) {
-    for (std::int64_t r = 0; r < rows; ++r) {
-      if (bias) std::memcpy(dst + r * ldc, bias, static_cast<std::size_t>(N) * sizeof(float));
-      else std::fill(dst + r * ldc, dst + r * ldc + N, 0.0f);
+  const std::int64_t xp = row_pitch(B, S, x.stride(0), x.stride(1), K), cp = row_pitch(B, S, sbc, ldc, N);
+  auto gemm = [&](const float* a, std::int64_t lda, float* cb, std::int64_t ldcb, std::int64_t M) {
+    for (std::int64_t r = 0; r < M; ++r) {
+      if (bias)
+        std::memcpy(cb + r * ldcb, bias, static_cast<std::size_t>(N) * sizeof(float));
+      else
+        std::fill(cb + r * ldcb, cb + r * ldcb + N, 0.0f);
     }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N),
+                static_cast<int>(K), 1.0f, a, static_cast<int>(lda), w, static_cast<int>(ldw), 1.0f, cb,
+                static_cast<int>(ldcb));
   };
-  const std::int64_t lda = S > 1 ? x.stride(1) : K;
-  // One GEMM over all B*S rows when both sides step uniformly from batch to batch.
-  const bool merged = B == 1 || (x.stride(0) == S * lda && sbc == S * ldc);
-  const std::int64_t blocks = merged ? 1 : B, M = merged ? B * S : S;
-  for (std::int64_t b = 0; b < blocks; ++b) {
-    float* cb = c + b * sbc;
-    fill_bias(cb, M);
-    if (K == 0) continue;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N), static_cast<int>(K),
-                1.0f, xd + b * x.stride(0), static_cast<int>(std::max<std::int64_t>(lda, K)), w,
-                static_cast<int>(ldw), 1.0f, cb, static_cast<int>(ldc));
+  if (xp && cp) {
+    gemm(xd, xp, c, cp, B * S);
+    return;
   }
+  // Per batch row: within a batch the rows are S apart at stride(1) (>= width, checked), or a single row.
+  for (std::int64_t b = 0; b < B; ++b)
+    gemm(xd + b * x.stride(0), S > 1 ? x.stride(1) : K, c + b * sbc, S > 1 ? ldc : N, S);
 }
 
 void check_act(const TensorView& t, const char* name, const char* axes, std::int64_t d_model) {
   if (t.rank() != 3)
-    throw Error(std::string("mha: ") + name + ": expected a 3-D tensor " + axes + ", got shape " + shape_str(t.shape()));
+    throw Error(std::string("mha: ") + name + ": expected a 3-D tensor " + axes + ", got shape " +
+                shape_str(t.shape()));
   if (t.dtype() != DType::f32)
-    throw Error(std::string("mha: ") + name + ": expected dtype float32, got " + std::string(dtype_name(t.dtype())));
+    throw Error(std::string("mha: ") + name + ": expected dtype float32, got " +
+                std::string(dtype_name(t.dtype())));
   if (t.size(2) > 1 && t.stride(2) != 1)
-    throw Error(std::string("mha: ") + name + ": expected a contiguous last dimension (stride 1), got stride " +
-                s(t.stride(2)));
+    throw Error(std::string("mha: ") + name +
+                ": expected a contiguous last dimension (stride 1), got stride " + s(t.stride(2)));
   if (t.size(2) != d_model)
     throw Error(std::string("mha: ") + name + ": expected " + axes + " with d_model == " + s(d_model) +
                 ", got d_model = " + s(t.size(2)) + " in shape " + shape_str(t.shape()));
   for (int a = 0; a < 2; ++a)
     if (t.stride(a) < 0) throw Error(std::string("mha: ") + name + ": negative strides are not supported");
   if (t.size(1) > 1 && t.stride(1) < t.size(2))
-    throw Error(std::string("mha: ") + name + ": rows overlap (stride of S " + s(t.stride(1)) + " < d_model)");
+    throw Error(std::string("mha: ") + name + ": rows overlap (stride of S " + s(t.stride(1)) +
+                " < d_model)");
   if (t.size(1) > std::numeric_limits<int>::max() / std::max<std::int64_t>(1, t.size(0)) ||
-      t.size(2) > std::numeric_limits<int>::max())
-    throw Error(std::string("mha: ") + name + ": shape " + shape_str(t.shape()) + " exceeds the BLAS int range");
+      t.size(2) > std::numeric_limits<int>::max() || t.stride(0) > std::numeric_limits<int>::max() ||
+      t.stride(1) > std::numeric_limits<int>::max())
+    throw Error(std::string("mha: ") + name + ": shape " + shape_str(t.shape()) +
+                " exceeds the BLAS int range");
   checked_numel(t.shape(), 4, name);
   if (!t.data() && t.numel() > 0) throw Error(std::string("mha: ") + name + ": data pointer is null");
 }
@@ -87,8 +107,37 @@ void average_heads(const Tensor& all, const TensorView& dst) {
       for (std::int64_t j = 0; j < Sk; ++j) {
         double acc = 0.0;
         for (std::int64_t h = 0; h < H; ++h) acc += p[((b * H + h) * Sq + i) * Sk + j];
-        d[b * dst.stride(0) + i * dst.stride(1) + j * dst.stride(2)] = static_cast<float>(acc / static_cast<double>(H));
+        d[b * dst.stride(0) + i * dst.stride(1) + j * dst.stride(2)] =
+            static_cast<float>(acc / static_cast<double>(H));
       }
+}
+
+// Attention weights requested averaged over the heads are computed per head into a scratch
+// tensor, then averaged into the caller's [B, Sq, Sk] view.
+struct ProbsPlan {
+  std::optional<Tensor> all;
+  std::optional<TensorView> view;  // what qkv::attention() writes
+};
+
+ProbsPlan plan_probs(const MhaOptions& o, std::int64_t B, std::int64_t Hq, std::int64_t Sq, std::int64_t Sk,
+                     const char* sk_note) {
+  ProbsPlan plan;
+  plan.view = o.probs;
+  if (!o.probs || !o.average_heads) return plan;
+  const TensorView& p = *o.probs;
+  if (p.rank() != 3 || p.size(0) != B || p.size(1) != Sq || p.size(2) != Sk)
+    throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, Sq, Sk}) + " (averaged over heads" +
+                sk_note + "), got " + shape_str(p.shape()));
+  if (p.dtype() != DType::f32)
+    throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
+  if (!p.data() && p.numel() > 0) throw Error("mha: probs: data pointer is null");
+  plan.all.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
+  plan.view = plan.all->view();
+  return plan;
+}
+
+void finish_probs(const ProbsPlan& plan, const MhaOptions& o) {
+  if (plan.all) average_heads(*plan.all, *o.probs);
 }
 
 }  // namespace
@@ -96,14 +145,15 @@ void average_heads(const Tensor& all, const TensorView& dst) {
 MultiHeadAttention::MultiHeadAttention(const MhaConfig& config) : cfg_(config) {
   if (cfg_.d_model < 1) throw Error("mha: d_model: expected >= 1, got " + s(cfg_.d_model));
   if (cfg_.num_heads < 1) throw Error("mha: num_heads: expected Hq >= 1, got " + s(cfg_.num_heads));
-  if (cfg_.num_kv_heads < 0) throw Error("mha: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + s(cfg_.num_kv_heads));
+  if (cfg_.num_kv_heads < 0)
+    throw Error("mha: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + s(cfg_.num_kv_heads));
   if (cfg_.num_kv_heads == 0) cfg_.num_kv_heads = cfg_.num_heads;
   if (cfg_.num_heads % cfg_.num_kv_heads != 0)
-    throw Error("mha: num_kv_heads: expected Hq % Hkv == 0 (grouped-query attention), got Hq = " + s(cfg_.num_heads) +
-                ", Hkv = " + s(cfg_.num_kv_heads));
+    throw Error("mha: num_kv_heads: expected Hq % Hkv == 0 (grouped-query attention), got Hq = " +
+                s(cfg_.num_heads) + ", Hkv = " + s(cfg_.num_kv_heads));
   if (cfg_.head_dim < 0 || cfg_.head_dim_v < 0)
-    throw Error("mha: head_dim: expected D, Dv >= 0 (0 = default), got D = " + s(cfg_.head_dim) + ", Dv = " +
-                s(cfg_.head_dim_v));
+    throw Error("mha: head_dim: expected D, Dv >= 0 (0 = default), got D = " + s(cfg_.head_dim) +
+                ", Dv = " + s(cfg_.head_dim_v));
   if (cfg_.head_dim == 0) {
     if (cfg_.d_model % cfg_.num_heads != 0)
       throw Error("mha: head_dim: d_model (" + s(cfg_.d_model) + ") is not divisible by num_heads (" +
@@ -137,8 +187,9 @@ TensorView MultiHeadAttention::w_k() const {
                     {cfg_.num_kv_heads * cfg_.head_dim, cfg_.d_model});
 }
 TensorView MultiHeadAttention::w_v() const {
-  return TensorView(w_in_.data_as<float>() + (cfg_.num_heads + cfg_.num_kv_heads) * cfg_.head_dim * cfg_.d_model,
-                    DType::f32, {cfg_.num_kv_heads * cfg_.head_dim_v, cfg_.d_model});
+  return TensorView(
+      w_in_.data_as<float>() + (cfg_.num_heads + cfg_.num_kv_heads) * cfg_.head_dim * cfg_.d_model,
+      DType::f32, {cfg_.num_kv_heads * cfg_.head_dim_v, cfg_.d_model});
 }
 TensorView MultiHeadAttention::w_o() const { return w_o_.view(); }
 TensorView MultiHeadAttention::in_proj_bias() const { return cfg_.qkv_bias ? b_in_.view() : TensorView(); }
@@ -159,7 +210,7 @@ TensorView MultiHeadAttention::b_v() const {
 TensorView MultiHeadAttention::b_o() const { return cfg_.out_bias ? b_o_.view() : TensorView(); }
 
 void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const MhaOptions& options) const {
-  if (w_in_.numel() == 0 && cfg_.d_model == 0) throw Error("mha: the layer has no configuration");
+  if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
   check_act(x, "x", "[B,S,d_model]", cfg_.d_model);
   check_act(y, "y", "[B,S,d_model]", cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
@@ -170,14 +221,15 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
   const std::int64_t N = w_in_.shape()[0];
   // One GEMM for q, k and v: proj [B, S, Hq*D | Hkv*D | Hkv*Dv].
   Tensor proj(DType::f32, {B, S, N});
-  linear(x, w_in_.data_as<const float>(), cfg_.d_model, N, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr,
-         proj.data_as<float>(), S * N, N);
+  linear(x, w_in_.data_as<const float>(), cfg_.d_model, N,
+         cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, proj.data_as<float>(), S * N, N);
   float* pd = proj.data_as<float>();
   const TensorView q(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
   const TensorView k(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
   const TensorView v(pd + Hq * D + Hkv * D, DType::f32, {B, Hkv, S, Dv}, {S * N, Dv, N, 1});
   if (cfg_.rope) {
-    const std::vector<std::int64_t> def = options.q_positions.empty() ? iota_positions(S) : std::vector<std::int64_t>{};
+    const std::vector<std::int64_t> def =
+        options.q_positions.empty() ? iota_positions(S) : std::vector<std::int64_t>{};
     const auto qp = options.q_positions.empty() ? std::span<const std::int64_t>(def) : options.q_positions;
     const auto kp = options.k_positions.empty() ? qp : options.k_positions;
     apply_rope(q, qp, *cfg_.rope);
@@ -185,31 +237,23 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
-  std::optional<Tensor> all_probs;
-  std::optional<TensorView> probs_view = options.probs;
-  if (options.probs && options.average_heads) {
-    const TensorView& p = *options.probs;
-    if (p.rank() != 3 || p.size(0) != B || p.size(1) != S || p.size(2) != S)
-      throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, S, S}) +
-                  " (averaged over heads), got " + shape_str(p.shape()));
-    if (p.dtype() != DType::f32) throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
-    all_probs.emplace(DType::f32, Shape{B, Hq, S, S});
-    probs_view = all_probs->view();
-  }
-  attention(q, k, v, ov, options.attention, std::nullopt, probs_view);
-  if (all_probs) average_heads(*all_probs, *options.probs);
+  const ProbsPlan probs = plan_probs(options, B, Hq, S, S, "");
+  attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
+  finish_probs(probs, options);
   linear(o.view(), w_o_.data_as<const float>(), Hq * Dv, cfg_.d_model,
          cfg_.out_bias ? b_o_.data_as<const float>() : nullptr, y.data_as<float>(), y.stride(0), y.stride(1));
 }
 
 void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, const TensorView& y,
                                  const MhaOptions& options) const {
+  if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
   check_act(x_q, "x_q", "[B,Sq,d_model]", cfg_.d_model);
   check_act(x_kv, "x_kv", "[B,Sk,d_model]", cfg_.d_model);
   check_act(y, "y", "[B,Sq,d_model]", cfg_.d_model);
   const std::int64_t B = x_q.size(0), Sq = x_q.size(1), Sk = x_kv.size(1);
   if (x_kv.size(0) != B)
-    throw Error("mha: x_kv: expected [B,Sk,d_model] with B == x_q.B (" + s(B) + "), got shape " + shape_str(x_kv.shape()));
+    throw Error("mha: x_kv: expected [B,Sk,d_model] with B == x_q.B (" + s(B) + "), got shape " +
+                shape_str(x_kv.shape()));
   if (y.size(0) != B || y.size(1) != Sq)
     throw Error("mha: y: expected shape [B,Sq,d_model] = " + shape_str({B, Sq, cfg_.d_model}) + ", got " +
                 shape_str(y.shape()));
@@ -220,36 +264,30 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
   Tensor pq(DType::f32, {B, Sq, Nq}), pkv(DType::f32, {B, Sk, Nkv});
   linear(x_q, w, cfg_.d_model, Nq, bias, pq.data_as<float>(), Sq * Nq, Nq);
   // W_K and W_V are adjacent rows of the packed matrix: one GEMM for both.
-  linear(x_kv, w + Nq * cfg_.d_model, cfg_.d_model, Nkv, bias ? bias + Nq : nullptr, pkv.data_as<float>(), Sk * Nkv, Nkv);
+  linear(x_kv, w + Nq * cfg_.d_model, cfg_.d_model, Nkv, bias ? bias + Nq : nullptr, pkv.data_as<float>(),
+         Sk * Nkv, Nkv);
   const TensorView q(pq.data(), DType::f32, {B, Hq, Sq, D}, {Sq * Nq, D, Nq, 1});
   const TensorView k(pkv.data(), DType::f32, {B, Hkv, Sk, D}, {Sk * Nkv, D, Nkv, 1});
   const TensorView v(pkv.data_as<float>() + Hkv * D, DType::f32, {B, Hkv, Sk, Dv}, {Sk * Nkv, Dv, Nkv, 1});
   if (cfg_.rope) {
     const std::vector<std::int64_t> dq = iota_positions(Sq), dk = iota_positions(Sk);
-    apply_rope(q, options.q_positions.empty() ? std::span<const std::int64_t>(dq) : options.q_positions, *cfg_.rope);
-    apply_rope(k, options.k_positions.empty() ? std::span<const std::int64_t>(dk) : options.k_positions, *cfg_.rope);
+    apply_rope(q, options.q_positions.empty() ? std::span<const std::int64_t>(dq) : options.q_positions,
+               *cfg_.rope);
+    apply_rope(k, options.k_positions.empty() ? std::span<const std::int64_t>(dk) : options.k_positions,
+               *cfg_.rope);
   }
   Tensor o(DType::f32, {B, Sq, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, Sq, Dv}, {Sq * Hq * Dv, Dv, Hq * Dv, 1});
-  std::optional<Tensor> all_probs;
-  std::optional<TensorView> probs_view = options.probs;
-  if (options.probs && options.average_heads) {
-    const TensorView& p = *options.probs;
-    if (p.rank() != 3 || p.size(0) != B || p.size(1) != Sq || p.size(2) != Sk)
-      throw Error("mha: probs: expected shape [B,Sq,Sk] = " + shape_str({B, Sq, Sk}) +
-                  " (averaged over heads), got " + shape_str(p.shape()));
-    if (p.dtype() != DType::f32) throw Error("mha: probs: expected dtype float32, got " + std::string(dtype_name(p.dtype())));
-    all_probs.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
-    probs_view = all_probs->view();
-  }
-  attention(q, k, v, ov, options.attention, std::nullopt, probs_view);
-  if (all_probs) average_heads(*all_probs, *options.probs);
+  const ProbsPlan probs = plan_probs(options, B, Hq, Sq, Sk, "");
+  attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
+  finish_probs(probs, options);
   linear(o.view(), w_o_.data_as<const float>(), Hq * Dv, cfg_.d_model,
          cfg_.out_bias ? b_o_.data_as<const float>() : nullptr, y.data_as<float>(), y.stride(0), y.stride(1));
 }
 
 void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const TensorView& y,
                                  const MhaOptions& options) const {
+  if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
   check_act(x, "x", "[B,S,d_model]", cfg_.d_model);
   check_act(y, "y", "[B,S,d_model]", cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
@@ -258,20 +296,21 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
                 shape_str(y.shape()));
   const std::int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, Dv = cfg_.head_dim_v;
   if (cache.batch() != B || cache.num_kv_heads() != Hkv || cache.head_dim() != D || cache.head_dim_v() != Dv)
-    throw Error("mha: cache: expected B = " + s(B) + ", Hkv = " + s(Hkv) + ", D = " + s(D) + ", Dv = " + s(Dv) +
-                ", got B = " + s(cache.batch()) + ", Hkv = " + s(cache.num_kv_heads()) + ", D = " + s(cache.head_dim()) +
-                ", Dv = " + s(cache.head_dim_v()));
+    throw Error("mha: cache: expected B = " + s(B) + ", Hkv = " + s(Hkv) + ", D = " + s(D) +
+                ", Dv = " + s(Dv) + ", got B = " + s(cache.batch()) + ", Hkv = " + s(cache.num_kv_heads()) +
+                ", D = " + s(cache.head_dim()) + ", Dv = " + s(cache.head_dim_v()));
   if (options.attention.kv_lens)
-    throw Error("mha: options.attention.kv_lens: expected none with a KV cache (the cache supplies the lengths)");
+    throw Error(
+        "mha: options.attention.kv_lens: expected none with a KV cache (the cache supplies the lengths)");
   for (std::int64_t b = 0; b < B; ++b)
     if (S > cache.capacity() - cache.length(b))
-      throw Error("kv_cache: append of " + s(S) + " tokens to sequence " + s(b) + " at length " + s(cache.length(b)) +
-                  " exceeds the capacity " + s(cache.capacity()) + " (" + s(cache.length(b) + S) + " > " +
-                  s(cache.capacity()) + ")");
+      throw Error("kv_cache: append of " + s(S) + " tokens to sequence " + s(b) + " at length " +
+                  s(cache.length(b)) + " exceeds the capacity " + s(cache.capacity()) + " (" +
+                  s(cache.length(b) + S) + " > " + s(cache.capacity()) + ")");
   const std::int64_t N = w_in_.shape()[0];
   Tensor proj(DType::f32, {B, S, N});
-  linear(x, w_in_.data_as<const float>(), cfg_.d_model, N, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr,
-         proj.data_as<float>(), S * N, N);
+  linear(x, w_in_.data_as<const float>(), cfg_.d_model, N,
+         cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, proj.data_as<float>(), S * N, N);
   float* pd = proj.data_as<float>();
   const TensorView q(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
   const TensorView k(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
@@ -283,13 +322,14 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
-  if (options.probs && options.average_heads)
-    throw Error("mha: probs: average_heads is not supported with a KV cache; request [B,Hq,Sq,Sk] weights");
   // Appending first makes the new tokens visible to their own queries (the diagonal).
   const std::vector<std::int64_t> saved(cache.lengths().begin(), cache.lengths().end());
   cache.append(k, v);
   try {
-    cache.attend(q, ov, options.attention, std::nullopt, options.probs);
+    const ProbsPlan probs =
+        plan_probs(options, B, Hq, S, cache.max_length(), "; Sk = the cache's max length after this call");
+    cache.attend(q, ov, options.attention, std::nullopt, probs.view);
+    finish_probs(probs, options);
   } catch (...) {
     cache.truncate(saved);  // a refused call leaves the cache as it was
     throw;

@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
-#include "tensor/convert.hpp"
 #include "qkv/error.hpp"
 #include "qkv/mha.hpp"
+#include "tensor/convert.hpp"
 
 namespace qkv {
 namespace {
@@ -17,15 +17,16 @@ std::string s(std::int64_t x) { return std::to_string(x); }
 using TensorMap = std::map<std::string, Tensor>;
 
 // The one tensor among `names` (after prefix) present in the map, or nullptr; two present is an error.
-const Tensor* find_one(const TensorMap& m, const std::string& prefix, std::initializer_list<const char*> names,
-                       std::string* found = nullptr) {
+const Tensor* find_one(const TensorMap& m, const std::string& prefix,
+                       std::initializer_list<const char*> names, std::string* found = nullptr) {
   const Tensor* hit = nullptr;
   std::string hit_name;
   for (const char* n : names) {
     auto it = m.find(prefix + n);
     if (it == m.end()) continue;
     if (hit)
-      throw Error("mha weights: both '" + hit_name + "' and '" + it->first + "' are present; expected only one");
+      throw Error("mha weights: both '" + hit_name + "' and '" + it->first +
+                  "' are present; expected only one");
     hit = &it->second;
     hit_name = it->first;
   }
@@ -34,7 +35,8 @@ const Tensor* find_one(const TensorMap& m, const std::string& prefix, std::initi
 }
 
 struct Names {
-  const Tensor *in_w = nullptr, *in_b = nullptr, *q_w = nullptr, *k_w = nullptr, *v_w = nullptr, *o_w = nullptr;
+  const Tensor *in_w = nullptr, *in_b = nullptr, *q_w = nullptr, *k_w = nullptr, *v_w = nullptr,
+               *o_w = nullptr;
   const Tensor *q_b = nullptr, *k_b = nullptr, *v_b = nullptr, *o_b = nullptr;
   std::string in_w_n, in_b_n, q_w_n, k_w_n, v_w_n, o_w_n, q_b_n, k_b_n, v_b_n, o_b_n;
 };
@@ -53,29 +55,38 @@ Names lookup(const TensorMap& m, const std::string& p) {
   n.o_b = find_one(m, p, {"out_proj.bias", "o_proj.bias", "wo.bias"}, &n.o_b_n);
   const bool sep = n.q_w || n.k_w || n.v_w;
   if (n.in_w && sep)
-    throw Error("mha weights: both the packed '" + n.in_w_n + "' and separate q/k/v projection weights are present");
+    throw Error("mha weights: both the packed '" + n.in_w_n +
+                "' and separate q/k/v projection weights are present");
   if (!n.in_w && !sep)
-    throw Error("mha weights: no input projection found under prefix '" + p +
-                "' (expected in_proj_weight, or q_proj.weight/k_proj.weight/v_proj.weight, q_proj_weight/..., "
-                "or wq.weight/wk.weight/wv.weight)");
+    throw Error(
+        "mha weights: no input projection found under prefix '" + p +
+        "' (expected in_proj_weight, or q_proj.weight/k_proj.weight/v_proj.weight, q_proj_weight/..., "
+        "or wq.weight/wk.weight/wv.weight)");
   if (sep && (!n.q_w || !n.k_w || !n.v_w))
-    throw Error(std::string("mha weights: missing ") + (!n.q_w ? "the query" : !n.k_w ? "the key" : "the value") +
+    throw Error(std::string("mha weights: missing ") +
+                (!n.q_w   ? "the query"
+                 : !n.k_w ? "the key"
+                          : "the value") +
                 " projection weight under prefix '" + p + "' (the other separate projections are present)");
   if (!n.o_w)
     throw Error("mha weights: no output projection found under prefix '" + p +
                 "' (expected out_proj.weight, o_proj.weight or wo.weight)");
   const bool sep_b = n.q_b || n.k_b || n.v_b;
-  if (n.in_b && sep_b) throw Error("mha weights: both '" + n.in_b_n + "' and separate q/k/v biases are present");
+  if (n.in_b && sep_b)
+    throw Error("mha weights: both '" + n.in_b_n + "' and separate q/k/v biases are present");
   if (sep_b && (!n.q_b || !n.k_b || !n.v_b))
-    throw Error("mha weights: expected all three of the separate q/k/v biases or none under prefix '" + p + "'");
+    throw Error("mha weights: expected all three of the separate q/k/v biases or none under prefix '" + p +
+                "'");
   return n;
 }
 
 void expect_shape(const Tensor& t, const std::string& name, const Shape& want) {
   if (t.shape() != want)
-    throw Error("mha weights: " + name + ": expected shape " + shape_str(want) + ", got " + shape_str(t.shape()));
+    throw Error("mha weights: " + name + ": expected shape " + shape_str(want) + ", got " +
+                shape_str(t.shape()));
   if (!detail::is_float_dtype(t.dtype()))
-    throw Error("mha weights: " + name + ": expected a float dtype, got " + std::string(dtype_name(t.dtype())));
+    throw Error("mha weights: " + name + ": expected a float dtype, got " +
+                std::string(dtype_name(t.dtype())));
 }
 
 void copy_into(const TensorView& dst, const Tensor& src) {
@@ -90,7 +101,8 @@ std::int64_t cols(const Tensor* t) { return t->shape().size() == 2 ? t->shape()[
 MhaConfig infer_mha_config(const TensorMap& tensors, std::int64_t num_heads, std::int64_t num_kv_heads,
                            const std::string& prefix) {
   if (num_heads < 1) throw Error("mha weights: num_heads: expected Hq >= 1, got " + s(num_heads));
-  if (num_kv_heads < 0) throw Error("mha weights: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + s(num_kv_heads));
+  if (num_kv_heads < 0)
+    throw Error("mha weights: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + s(num_kv_heads));
   const std::int64_t Hq = num_heads, Hkv = num_kv_heads ? num_kv_heads : num_heads;
   if (Hq % Hkv) throw Error("mha weights: expected Hq % Hkv == 0, got Hq = " + s(Hq) + ", Hkv = " + s(Hkv));
   const Names n = lookup(tensors, prefix);
@@ -103,19 +115,21 @@ MhaConfig infer_mha_config(const TensorMap& tensors, std::int64_t num_heads, std
   c.d_model = rows(n.o_w);
   const std::int64_t o_in = cols(n.o_w);
   if (o_in % Hq)
-    throw Error("mha weights: " + n.o_w_n + ": expected [d_model, Hq*Dv] with Hq = " + s(Hq) + " dividing " + s(o_in));
+    throw Error("mha weights: " + n.o_w_n + ": expected [d_model, Hq*Dv] with Hq = " + s(Hq) + " dividing " +
+                s(o_in));
   c.head_dim_v = o_in / Hq;
   if (n.in_w) {
     const std::int64_t r = rows(n.in_w), rest = r - Hkv * c.head_dim_v;
     if (r < 0 || rest <= 0 || rest % (Hq + Hkv))
-      throw Error("mha weights: " + n.in_w_n + ": expected [Hq*D + Hkv*D + Hkv*Dv, d_model] with Hq = " + s(Hq) +
-                  ", Hkv = " + s(Hkv) + ", Dv = " + s(c.head_dim_v) + ", got shape " + shape_str(n.in_w->shape()));
+      throw Error("mha weights: " + n.in_w_n +
+                  ": expected [Hq*D + Hkv*D + Hkv*Dv, d_model] with Hq = " + s(Hq) + ", Hkv = " + s(Hkv) +
+                  ", Dv = " + s(c.head_dim_v) + ", got shape " + shape_str(n.in_w->shape()));
     c.head_dim = rest / (Hq + Hkv);
   } else {
     const std::int64_t r = rows(n.q_w);
     if (r <= 0 || r % Hq)
-      throw Error("mha weights: " + n.q_w_n + ": expected [Hq*D, d_model] with Hq = " + s(Hq) + ", got shape " +
-                  shape_str(n.q_w->shape()));
+      throw Error("mha weights: " + n.q_w_n + ": expected [Hq*D, d_model] with Hq = " + s(Hq) +
+                  ", got shape " + shape_str(n.q_w->shape()));
     c.head_dim = r / Hq;
   }
   c.qkv_bias = n.in_b || n.q_b;
@@ -133,7 +147,8 @@ void MultiHeadAttention::load_weights(const TensorMap& tensors, const std::strin
                      Dv = cfg_.head_dim_v;
   const std::int64_t n_in = Hq * D + Hkv * D + Hkv * Dv;
   // Check everything before copying anything, so a refused file leaves the layer unchanged.
-  if (n.in_w) expect_shape(*n.in_w, n.in_w_n, {n_in, dm});
+  if (n.in_w)
+    expect_shape(*n.in_w, n.in_w_n, {n_in, dm});
   else {
     expect_shape(*n.q_w, n.q_w_n, {Hq * D, dm});
     expect_shape(*n.k_w, n.k_w_n, {Hkv * D, dm});
@@ -142,13 +157,17 @@ void MultiHeadAttention::load_weights(const TensorMap& tensors, const std::strin
   expect_shape(*n.o_w, n.o_w_n, {dm, Hq * Dv});
   const bool has_in_b = n.in_b || n.q_b;
   if (has_in_b != cfg_.qkv_bias)
-    throw Error(cfg_.qkv_bias ? "mha weights: the config has q/k/v biases but no in_proj_bias (or q_proj.bias, ...) "
-                                "is present under prefix '" + prefix + "'"
-                              : "mha weights: q/k/v biases are present but the config has qkv_bias = false");
+    throw Error(cfg_.qkv_bias
+                    ? "mha weights: the config has q/k/v biases but no in_proj_bias (or q_proj.bias, ...) "
+                      "is present under prefix '" +
+                          prefix + "'"
+                    : "mha weights: q/k/v biases are present but the config has qkv_bias = false");
   if ((n.o_b != nullptr) != cfg_.out_bias)
-    throw Error(cfg_.out_bias ? "mha weights: the config has an output bias but no out_proj.bias (or o_proj.bias, "
-                                "wo.bias) is present under prefix '" + prefix + "'"
-                              : "mha weights: an output bias is present but the config has out_bias = false");
+    throw Error(cfg_.out_bias
+                    ? "mha weights: the config has an output bias but no out_proj.bias (or o_proj.bias, "
+                      "wo.bias) is present under prefix '" +
+                          prefix + "'"
+                    : "mha weights: an output bias is present but the config has out_bias = false");
   if (n.in_b) expect_shape(*n.in_b, n.in_b_n, {n_in});
   if (n.q_b) {
     expect_shape(*n.q_b, n.q_b_n, {Hq * D});
@@ -157,7 +176,8 @@ void MultiHeadAttention::load_weights(const TensorMap& tensors, const std::strin
   }
   if (n.o_b) expect_shape(*n.o_b, n.o_b_n, {dm});
 
-  if (n.in_w) copy_into(w_in_.view(), *n.in_w);
+  if (n.in_w)
+    copy_into(w_in_.view(), *n.in_w);
   else {
     copy_into(w_q(), *n.q_w);
     copy_into(w_k(), *n.k_w);
@@ -173,17 +193,21 @@ void MultiHeadAttention::load_weights(const TensorMap& tensors, const std::strin
   if (n.o_b) copy_into(b_o_.view(), *n.o_b);
 }
 
-Tensor mask_from_torch(const std::optional<TensorView>& attn_mask, const std::optional<TensorView>& key_padding_mask,
-                       std::int64_t B, std::int64_t Hq, std::int64_t Sq, std::int64_t Sk) {
+Tensor mask_from_torch(const std::optional<TensorView>& attn_mask,
+                       const std::optional<TensorView>& key_padding_mask, std::int64_t B, std::int64_t Hq,
+                       std::int64_t Sq, std::int64_t Sk) {
   if (!attn_mask && !key_padding_mask) return {};
   if (B < 0 || Hq < 1 || Sq < 0 || Sk < 0)
     throw Error("mask_from_torch: expected B, Sq, Sk >= 0 and Hq >= 1, got B = " + s(B) + ", Hq = " + s(Hq) +
                 ", Sq = " + s(Sq) + ", Sk = " + s(Sk));
   auto check_dtype = [](const TensorView& t, const char* name) {
     if (t.dtype() != DType::b8 && t.dtype() != DType::f32 && t.dtype() != DType::f64)
-      throw Error(std::string("mask_from_torch: ") + name + ": expected dtype bool (True = ignore) or float32/float64 "
-                  "(additive), got " + std::string(dtype_name(t.dtype())));
-    if (!t.data() && t.numel() > 0) throw Error(std::string("mask_from_torch: ") + name + ": data pointer is null");
+      throw Error(std::string("mask_from_torch: ") + name +
+                  ": expected dtype bool (True = ignore) or float32/float64 "
+                  "(additive), got " +
+                  std::string(dtype_name(t.dtype())));
+    if (!t.data() && t.numel() > 0)
+      throw Error(std::string("mask_from_torch: ") + name + ": data pointer is null");
   };
   bool per_head = false;
   if (attn_mask) {
@@ -192,16 +216,16 @@ Tensor mask_from_torch(const std::optional<TensorView>& attn_mask, const std::op
     const bool ok2 = a.rank() == 2 && a.size(0) == Sq && a.size(1) == Sk;
     const bool ok3 = a.rank() == 3 && a.size(0) == B * Hq && a.size(1) == Sq && a.size(2) == Sk;
     if (!ok2 && !ok3)
-      throw Error("mask_from_torch: attn_mask: expected shape [Sq,Sk] = " + shape_str({Sq, Sk}) + " or [B*Hq,Sq,Sk] = " +
-                  shape_str({B * Hq, Sq, Sk}) + ", got " + shape_str(a.shape()));
+      throw Error("mask_from_torch: attn_mask: expected shape [Sq,Sk] = " + shape_str({Sq, Sk}) +
+                  " or [B*Hq,Sq,Sk] = " + shape_str({B * Hq, Sq, Sk}) + ", got " + shape_str(a.shape()));
     per_head = ok3;
   }
   if (key_padding_mask) {
     const TensorView& k = *key_padding_mask;
     check_dtype(k, "key_padding_mask");
     if (k.rank() != 2 || k.size(0) != B || k.size(1) != Sk)
-      throw Error("mask_from_torch: key_padding_mask: expected shape [B,Sk] = " + shape_str({B, Sk}) + ", got " +
-                  shape_str(k.shape()));
+      throw Error("mask_from_torch: key_padding_mask: expected shape [B,Sk] = " + shape_str({B, Sk}) +
+                  ", got " + shape_str(k.shape()));
   }
   const bool all_bool = (!attn_mask || attn_mask->dtype() == DType::b8) &&
                         (!key_padding_mask || key_padding_mask->dtype() == DType::b8);
@@ -224,10 +248,14 @@ Tensor mask_from_torch(const std::optional<TensorView>& attn_mask, const std::op
                                               : i * a.stride(0) + j * a.stride(1);
             add += torch_add(a, off);
           }
-          if (key_padding_mask) add += torch_add(*key_padding_mask, b * key_padding_mask->stride(0) + j * key_padding_mask->stride(1));
+          if (key_padding_mask)
+            add += torch_add(*key_padding_mask,
+                             b * key_padding_mask->stride(0) + j * key_padding_mask->stride(1));
           const std::int64_t o = ((b * H + h) * Sq + i) * Sk + j;
-          if (all_bool) out.data_as<std::uint8_t>()[o] = add == 0.0;  // true = attend
-          else out.data_as<float>()[o] = static_cast<float>(add);
+          if (all_bool)
+            out.data_as<std::uint8_t>()[o] = add == 0.0;  // true = attend
+          else
+            out.data_as<float>()[o] = static_cast<float>(add);
         }
   return out;
 }

@@ -35,7 +35,8 @@ void rope_impl(const TensorView& x, std::span<const std::int64_t> positions, con
   std::vector<A> inv_freq(static_cast<std::size_t>(half));
   for (std::int64_t j = 0; j < half; ++j) {
     if constexpr (std::is_same_v<A, float>)
-      inv_freq[j] = 1.0f / std::pow(static_cast<float>(cfg.theta), static_cast<float>(2 * j) / static_cast<float>(R));
+      inv_freq[j] =
+          1.0f / std::pow(static_cast<float>(cfg.theta), static_cast<float>(2 * j) / static_cast<float>(R));
     else
       inv_freq[j] = std::pow(cfg.theta, -static_cast<double>(2 * j) / static_cast<double>(R));
   }
@@ -51,7 +52,8 @@ void rope_impl(const TensorView& x, std::span<const std::int64_t> positions, con
       c[j] = std::cos(val);
       sn[j] = std::sin(val);
     }
-    for (std::int64_t h = 0; h < H; ++h) rotate_row(base + b * sb + h * sh + t * ss, c.data(), sn.data(), half, cfg.style);
+    for (std::int64_t h = 0; h < H; ++h)
+      rotate_row(base + b * sb + h * sh + t * ss, c.data(), sn.data(), half, cfg.style);
   }
 }
 
@@ -76,17 +78,21 @@ void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, co
     throw Error("rope: positions: expected S = " + s(S) + " or B*S = " + s(B * S) + " entries, got " + s(n));
   for (std::int64_t i = 0; i < n; ++i)
     if (positions[static_cast<std::size_t>(i)] < 0)
-      throw Error("rope: positions: expected every position >= 0, got " + s(positions[static_cast<std::size_t>(i)]) +
-                  " at index " + s(i));
+      throw Error("rope: positions: expected every position >= 0, got " +
+                  s(positions[static_cast<std::size_t>(i)]) + " at index " + s(i));
   if (x.numel() == 0 || R == 0) return;
   if (!x.data()) throw Error("rope: x: data pointer is null");
   const bool f32_angles = config.angles == RopeAngles::llama2c_f32;
   if (x.dtype() == DType::f32) {
-    if (f32_angles) rope_impl<float, float>(x, positions, config, R);
-    else rope_impl<float, double>(x, positions, config, R);
+    if (f32_angles)
+      rope_impl<float, float>(x, positions, config, R);
+    else
+      rope_impl<float, double>(x, positions, config, R);
   } else {
-    if (f32_angles) rope_impl<double, float>(x, positions, config, R);
-    else rope_impl<double, double>(x, positions, config, R);
+    if (f32_angles)
+      rope_impl<double, float>(x, positions, config, R);
+    else
+      rope_impl<double, double>(x, positions, config, R);
   }
 }
 

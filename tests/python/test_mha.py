@@ -6,8 +6,10 @@ The safetensors files are written by hand (struct + json), independently of qkv'
 
 usage: test_mha.py <path to the qkv binary>
 """
+import atexit
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import numpy as np
 
 QKV = sys.argv[1]
 TMP = tempfile.mkdtemp(prefix="qkv_mha_")
+atexit.register(shutil.rmtree, TMP, True)
 TOL = 1e-5
 failures = []
 
@@ -154,6 +157,19 @@ flipped[1] = ~kpm[1]
 y_wrong, _, _ = mha_ref(x, x, Wq, Wk, Wv, W_o.astype(np.float64), bq, bk, bv, b_o.astype(np.float64), H, H,
                         key_padding_mask=flipped, attn_mask=am)
 check("mask polarity is observable", np.abs(y_wrong[1] - y_ref[1]).max() > 1e-2)
+
+# 1b. The same weights as a directory of <name>.npy files.
+os.makedirs(path("npy_weights"), exist_ok=True)
+for name, arr in {"in_proj_weight": W_in, "in_proj_bias": b_in, "out_proj.weight": W_o,
+                  "out_proj.bias": b_o}.items():
+    np.save(os.path.join(path("npy_weights"), name + ".npy"), arr.astype(np.float64))
+y_ref1b, _, _ = mha_ref(x, x, Wq, Wk, Wv, W_o.astype(np.float64), bq, bk, bv, b_o.astype(np.float64), H, H)
+r = run(["--x", path("x.npy"), "--weights", path("npy_weights"), "--out", path("y1b.npy"), "--heads", str(H)])
+if r.returncode == 0:
+    err = np.abs(np.load(path("y1b.npy")) - y_ref1b).max()
+    check("weights from a .npy directory", err <= TOL, f"max err {err}")
+else:
+    check("weights from a .npy directory runs", False, r.stderr)
 
 # 2. Float key_padding_mask (additive) without masks, per-head weights, 2-D input.
 fkpm = np.where(kpm, -1e4, 0.0).astype(np.float32)[:1]
