@@ -7,4 +7,5 @@ namespace qkv::cli {
 void add_attend(CLI::App& app);
 void add_demo(CLI::App& app);
 void add_info(CLI::App& app);
+void add_bench(CLI::App& app);
 }  // namespace qkv::cli

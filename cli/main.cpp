@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_attend(app);
   qkv::cli::add_demo(app);
   qkv::cli::add_info(app);
+  qkv::cli::add_bench(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
