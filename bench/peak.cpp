@@ -76,14 +76,22 @@ float read_sum_generic(const float* p, std::size_t n) noexcept {
   return r;
 }
 
-double read_bandwidth(int threads, double seconds, bool avx512) {
-  // 512 MiB: far beyond any last-level cache, so every pass streams from memory.
-  const std::size_t bytes = std::size_t(512) << 20;
+}  // namespace
+
+double measure_read_bandwidth(int threads, double bytes_wanted, double seconds) {
+  threads = threads < 1 ? 1 : threads;
+#if defined(QKV_BENCH_X86)
+  const bool avx512 = qkv::detail::cpu_features().avx512();
+#else
+  const bool avx512 = false;
+#endif
+  const std::size_t unit = 64 * sizeof(float) * static_cast<std::size_t>(threads);
+  const std::size_t bytes = std::max<std::size_t>(unit, static_cast<std::size_t>(bytes_wanted) / unit * unit);
   const std::size_t n = bytes / sizeof(float);
   float* buf = static_cast<float*>(std::aligned_alloc(64, bytes));
   if (!buf) return 0.0;
   std::unique_ptr<float, decltype(&std::free)> hold(buf, &std::free);
-  const std::size_t chunk = n / static_cast<std::size_t>(threads) / 64 * 64;
+  const std::size_t chunk = n / static_cast<std::size_t>(threads);
   // First touch by the thread that later reads the chunk.
 #pragma omp parallel num_threads(threads)
   {
@@ -110,8 +118,6 @@ double read_bandwidth(int threads, double seconds, bool avx512) {
   return median(rates);
 }
 
-}  // namespace
-
 Peaks measure_peaks(int threads, double seconds) {
   Peaks p;
   p.threads = threads < 1 ? 1 : threads;
@@ -132,11 +138,7 @@ Peaks measure_peaks(int threads, double seconds) {
     p.fma_isa = "scalar";
     p.fma_gflops = loop_gflops(p.threads, 16.0, seconds, fma_loop_scalar);
   }
-#if defined(QKV_BENCH_X86)
-  p.read_gbps = read_bandwidth(p.threads, seconds, cpu.avx512());
-#else
-  p.read_gbps = read_bandwidth(p.threads, seconds, false);
-#endif
+  p.read_gbps = measure_read_bandwidth(p.threads, p.read_mib * 1048576.0, seconds);
   return p;
 }
 

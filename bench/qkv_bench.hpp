@@ -68,11 +68,17 @@ struct Peaks {
   int threads = 1;
   double fma_gflops = 0;   ///< fp32 FMA throughput (AVX-512, else AVX2), GFLOP/s, 2 FLOP per FMA lane
   double bf16_gflops = 0;  ///< vdpbf16ps throughput, GFLOP/s, 4 FLOP per fp32 lane
-  double read_gbps = 0;    ///< streaming reads of a buffer far larger than the caches, GB/s (1e9 B)
+  double read_gbps = 0;    ///< streaming reads of a read_mib buffer (far beyond the caches), GB/s (1e9 B)
+  double read_mib = 512;
   std::string fma_isa;     ///< "avx512", "avx2" or "scalar"
 };
 /// Runs the three microbenchmarks with `threads` OpenMP threads, each for about `seconds`.
 Peaks measure_peaks(int threads, double seconds = 0.25);
+/// Read bandwidth in GB/s of `threads` threads streaming through a buffer of about `bytes`
+/// (split evenly, first touched by its reader), median of passes over about `seconds`. On this
+/// kind of machine the figure depends strongly on the size (caches, and in virtual machines the
+/// host's memory layout), so decode rows are judged against a buffer of their own K+V size.
+double measure_read_bandwidth(int threads, double bytes, double seconds = 0.25);
 
 // ---- timing ------------------------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ struct Row {
   double seconds = 0, gflops = 0, gbps = 0;
   std::optional<double> baseline_seconds, max_abs_diff, seconds_1thread;
   double peak_fraction = 0;
-  std::string peak_name;
+  std::string peak_name;  // which peak peak_fraction divides by
+  double peak_value = 0;  // its value (GFLOP/s or GB/s)
   std::optional<bench::MemoryUse> mem;
 };
 
@@ -63,11 +64,21 @@ public:
     if (it == peaks_.end()) it = peaks_.emplace(threads, bench::measure_peaks(threads, seconds_)).first;
     return it->second;
   }
+  // Read bandwidth over a buffer of `bytes` (rounded to MiB), measured once per size.
+  double read_gbps(int threads, double bytes) {
+    const auto key = std::make_pair(threads, static_cast<std::int64_t>(std::ceil(bytes / 1048576.0)));
+    auto it = reads_.find(key);
+    if (it == reads_.end())
+      it = reads_.emplace(key, bench::measure_read_bandwidth(threads, double(key.second) * 1048576.0, seconds_)).first;
+    return it->second;
+  }
   const std::map<int, bench::Peaks>& all() const { return peaks_; }
+  const std::map<std::pair<int, std::int64_t>, double>& reads() const { return reads_; }
 
 private:
   double seconds_;
   std::map<int, bench::Peaks> peaks_;
+  std::map<std::pair<int, std::int64_t>, double> reads_;
 };
 
 std::string dtype_short(DType d) { return d == DType::f32 ? "f32" : d == DType::bf16 ? "bf16" : "f16"; }
@@ -142,14 +153,16 @@ public:
     const bench::Peaks& pk = peaks_.at(threads);
     if (kind == "decode") {
       r.peak_name = "read_gbps";
-      r.peak_fraction = pk.read_gbps > 0 ? r.gbps / pk.read_gbps : 0;
+      r.peak_value = peaks_.read_gbps(threads, bench::kv_bytes(s, dtype));
     } else if (dtype != DType::f32 && pk.bf16_gflops > 0) {
       r.peak_name = "bf16_gflops";
-      r.peak_fraction = r.gflops / pk.bf16_gflops;
+      r.peak_value = pk.bf16_gflops;
     } else {
       r.peak_name = "fma_gflops";
-      r.peak_fraction = pk.fma_gflops > 0 ? r.gflops / pk.fma_gflops : 0;
+      r.peak_value = pk.fma_gflops;
     }
+    const double rate = kind == "decode" ? r.gbps : r.gflops;
+    r.peak_fraction = r.peak_value > 0 ? rate / r.peak_value : 0;
     if (f32_inputs && with_baseline) {
       if (auto b = baseline(s, causal, threads, *f32_inputs)) {
         r.baseline_seconds = b->seconds;
@@ -193,7 +206,8 @@ json row_json(const Row& r) {
             {"speedup_vs_baseline", r.baseline_seconds ? json(*r.baseline_seconds / r.seconds) : json(nullptr)},
             {"max_abs_diff_vs_baseline", opt(r.max_abs_diff)},
             {"peak_fraction", r.peak_fraction},
-            {"peak", r.peak_name}};
+            {"peak", r.peak_name},
+            {"peak_value", r.peak_value}};
   if (r.seconds_1thread) {
     j["seconds_1thread"] = *r.seconds_1thread;
     j["speedup_vs_1thread"] = *r.seconds_1thread / r.seconds;
@@ -208,7 +222,7 @@ json row_json(const Row& r) {
 
 json peaks_json(const bench::Peaks& p) {
   return {{"threads", p.threads}, {"fma_isa", p.fma_isa}, {"fma_gflops", p.fma_gflops},
-          {"bf16_gflops", p.bf16_gflops}, {"read_gbps", p.read_gbps}};
+          {"bf16_gflops", p.bf16_gflops}, {"read_gbps", p.read_gbps}, {"read_mib", p.read_mib}};
 }
 
 // Writes `text` to `path` through a temporary file and a rename, so that no partial file is left.
@@ -236,8 +250,8 @@ void write_atomically(const std::string& path, const std::string& text) {
 FILE* g_out = stdout;
 
 void print_header() {
-  std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3s %11s %14s %11s %8s %6s %9s\n", "kind", "shape", "causal",
-               "dtype", "kernel", "thr", "seconds", "rate", "base_s", "x_base", "peak%", "maxdiff");
+  std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3s %11s %14s %11s %8s %6s %-10s %9s\n", "kind", "shape",
+               "causal", "dtype", "kernel", "thr", "seconds", "rate", "base_s", "x_base", "peak%", "(of)", "maxdiff");
 }
 
 void print_row(const Row& r) {
@@ -251,9 +265,11 @@ void print_row(const Row& r) {
     std::snprintf(ratio, sizeof ratio, "%.2f", *r.baseline_seconds / r.seconds);
   }
   if (r.max_abs_diff) std::snprintf(diff, sizeof diff, "%.1e", *r.max_abs_diff);
-  std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3d %11.4g %14s %11s %8s %6.1f %9s\n", r.kind.c_str(),
+  char of[32];
+  std::snprintf(of, sizeof of, "(%.0f)", r.peak_value);
+  std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3d %11.4g %14s %11s %8s %6.1f %-10s %9s\n", r.kind.c_str(),
                bench::shape_label(r.shape).c_str(), r.causal ? "yes" : "no", dtype_short(r.dtype).c_str(),
-               r.kernel.c_str(), r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, diff);
+               r.kernel.c_str(), r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, of, diff);
   if (r.seconds_1thread)
     std::fprintf(g_out, "%-8s   1 thread %.4g s, %d threads %.4g s: speedup %.2fx\n", "", *r.seconds_1thread,
                  r.threads, r.seconds, *r.seconds_1thread / r.seconds);
@@ -304,8 +320,9 @@ void run_bench(BenchOptions o) {
   Runner run(o);
   for (int t : {1, threads}) {
     const bench::Peaks& p = run.peaks().at(t);
-    std::fprintf(g_out, "peak, %d thread%s: fp32 FMA (%s) %.1f GFLOP/s, bf16 dot %.1f GFLOP/s, read %.1f GB/s\n", t,
-                 t == 1 ? "" : "s", p.fma_isa.c_str(), p.fma_gflops, p.bf16_gflops, p.read_gbps);
+    std::fprintf(g_out,
+                 "peak, %d thread%s: fp32 FMA (%s) %.1f GFLOP/s, bf16 dot %.1f GFLOP/s, read %.1f GB/s (%.0f MiB buffer)\n",
+                 t, t == 1 ? "" : "s", p.fma_isa.c_str(), p.fma_gflops, p.bf16_gflops, p.read_gbps, p.read_mib);
   }
   print_header();
 
@@ -358,8 +375,8 @@ void run_bench(BenchOptions o) {
     r.gflops = bench::forward_flops(s, false) / m.seconds * 1e-9;
     r.gbps = bench::kv_bytes(s, DType::f32) / m.seconds * 1e-9;
     r.peak_name = "fma_gflops";
-    const double peak = run.peaks().at(threads).fma_gflops;
-    r.peak_fraction = peak > 0 ? r.gflops / peak : 0;
+    r.peak_value = run.peaks().at(threads).fma_gflops;
+    r.peak_fraction = r.peak_value > 0 ? r.gflops / r.peak_value : 0;
     r.mem = m;
     emit(std::move(r));
   }
@@ -368,12 +385,16 @@ void run_bench(BenchOptions o) {
   if (!o.json_path.empty()) {
     json peaks = json::object();
     for (const auto& [t, p] : run.peaks().all()) peaks[std::to_string(t)] = peaks_json(p);
+    json reads = json::array();
+    for (const auto& [key, gbps] : run.peaks().reads())
+      reads.push_back({{"threads", key.first}, {"mib", key.second}, {"read_gbps", gbps}});
     json doc = {{"qkv_version", qkv::version()},
                 {"cpu_features", qkv::cpu_features_string()},
                 {"openblas_core", bench::blas_core_name()},
                 {"openblas_note", bench::blas_env_note()},
                 {"threads", threads},
                 {"peaks", peaks},
+                {"read_bandwidth_by_size", reads},
                 {"rows", json::array()}};
     for (const Row& r : rows) doc["rows"].push_back(row_json(r));
     const std::string text = doc.dump(2) + "\n";
