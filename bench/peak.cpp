@@ -47,22 +47,24 @@ double timed_parallel(int threads, std::int64_t iters, Loop loop) {
   return *std::max_element(t.begin(), t.end());
 }
 
-// Throughput in GFLOP/s of a loop doing flops_per_iter per iteration on each thread: calibrates
-// the iteration count to about `seconds`, then takes the best of three runs (the least disturbed
-// by other processes on a shared machine).
+// Throughput in GFLOP/s of a loop doing flops_per_iter per iteration on each thread. On a shared
+// machine most runs are slowed by other processes; short runs (about 2 ms) have a fair chance of
+// running undisturbed, so the figure is the best of as many as fit in `seconds` (at least 10),
+// as peak measurements (and STREAM) report the best run.
 template <class Loop>
 double loop_gflops(int threads, double flops_per_iter, double seconds, Loop loop) {
-  std::int64_t iters = 1 << 16;
+  std::int64_t iters = 1 << 10;
   double t = timed_parallel(threads, iters, loop);
-  while (t < 0.02) {
-    iters *= 4;
+  while (t < 5e-4) {
+    iters *= 2;
     t = timed_parallel(threads, iters, loop);
   }
-  iters = std::max<std::int64_t>(1, static_cast<std::int64_t>(iters * (seconds / 3) / t));
+  iters = std::max<std::int64_t>(1, static_cast<std::int64_t>(iters * 2e-3 / t));
   double best = 0;
-  for (int r = 0; r < 3; ++r) {
+  const auto start = Clock::now();
+  for (int r = 0; r < 10 || std::chrono::duration<double>(Clock::now() - start).count() < seconds; ++r) {
     const double tr = timed_parallel(threads, iters, loop);
-    best = std::max(best, flops_per_iter * iters * threads / tr * 1e-9);
+    best = std::max(best, flops_per_iter * static_cast<double>(iters) * threads / tr * 1e-9);
   }
   return best;
 }
@@ -113,14 +115,14 @@ double measure_read_bandwidth(int threads, double bytes_wanted, double seconds) 
   do {
     rates.push_back(pass_bytes / timed_parallel(threads, 1, pass) * 1e-9);
   } while (rates.size() < 3 || std::chrono::duration<double>(Clock::now() - start).count() < seconds);
-  // Median pass: bandwidth is shared with other processes, so the best pass overstates it less
-  // reliably than for the compute loops.
-  return median(rates);
+  // Best pass, as STREAM reports it: other processes on the machine only ever slow a pass down.
+  return *std::max_element(rates.begin(), rates.end());
 }
 
-Peaks measure_peaks(int threads, double seconds) {
+Peaks measure_peaks(int threads, double seconds, double read_mib) {
   Peaks p;
   p.threads = threads < 1 ? 1 : threads;
+  p.read_mib = read_mib;
   const auto& cpu = qkv::detail::cpu_features();
   (void)cpu;
 #if defined(QKV_BENCH_X86)

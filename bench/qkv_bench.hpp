@@ -73,9 +73,9 @@ struct Peaks {
   std::string fma_isa;     ///< "avx512", "avx2" or "scalar"
 };
 /// Runs the three microbenchmarks with `threads` OpenMP threads, each for about `seconds`.
-Peaks measure_peaks(int threads, double seconds = 0.25);
+Peaks measure_peaks(int threads, double seconds = 0.25, double read_mib = 512);
 /// Read bandwidth in GB/s of `threads` threads streaming through a buffer of about `bytes`
-/// (split evenly, first touched by its reader), median of passes over about `seconds`. On this
+/// (split evenly, first touched by its reader), best pass of those in about `seconds`. On this
 /// kind of machine the figure depends strongly on the size (caches, and in virtual machines the
 /// host's memory layout), so decode rows are judged against a buffer of their own K+V size.
 double measure_read_bandwidth(int threads, double bytes, double seconds = 0.25);

@@ -35,7 +35,7 @@ struct BenchOptions {
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
-  double budget = 30.0, peak_seconds = 0.25;
+  double budget = 30.0, peak_seconds = 0.25, read_mib = 512;
 };
 
 // One measured line of the report.
@@ -58,10 +58,10 @@ struct Row {
 // The machine's peaks, measured once per thread count used.
 class PeakTable {
 public:
-  explicit PeakTable(double seconds) : seconds_(seconds) {}
+  PeakTable(double seconds, double read_mib) : seconds_(seconds), read_mib_(read_mib) {}
   const bench::Peaks& at(int threads) {
     auto it = peaks_.find(threads);
-    if (it == peaks_.end()) it = peaks_.emplace(threads, bench::measure_peaks(threads, seconds_)).first;
+    if (it == peaks_.end()) it = peaks_.emplace(threads, bench::measure_peaks(threads, seconds_, read_mib_)).first;
     return it->second;
   }
   // Read bandwidth over a buffer of `bytes` (rounded to MiB), measured once per size.
@@ -76,7 +76,7 @@ public:
   const std::map<std::pair<int, std::int64_t>, double>& reads() const { return reads_; }
 
 private:
-  double seconds_;
+  double seconds_, read_mib_;
   std::map<int, bench::Peaks> peaks_;
   std::map<std::pair<int, std::int64_t>, double> reads_;
 };
@@ -99,7 +99,7 @@ double physical_memory_bytes() {
 
 class Runner {
 public:
-  explicit Runner(const BenchOptions& o) : o_(o), peaks_(o.peak_seconds) {}
+  explicit Runner(const BenchOptions& o) : o_(o), peaks_(o.peak_seconds, o.read_mib) {}
 
   // The float32 baseline on the same values as every dtype (see make_inputs), timed once per
   // (shape, causal, threads) in this run; nullopt when skipped.
@@ -318,7 +318,9 @@ void run_bench(BenchOptions o) {
   std::fprintf(g_out, "cpu features: %s\n", qkv::cpu_features_string().c_str());
   std::fprintf(g_out, "%s\n", bench::blas_env_note().c_str());
   Runner run(o);
-  for (int t : {1, threads}) {
+  std::vector<int> peak_threads{1};
+  if (threads != 1) peak_threads.push_back(threads);
+  for (int t : peak_threads) {
     const bench::Peaks& p = run.peaks().at(t);
     std::fprintf(g_out,
                  "peak, %d thread%s: fp32 FMA (%s) %.1f GFLOP/s, bf16 dot %.1f GFLOP/s, read %.1f GB/s (%.0f MiB buffer)\n",
@@ -441,6 +443,8 @@ void add_bench(CLI::App& app) {
   cmd->add_flag("--no-baseline", o->no_baseline, "skip the naive baseline");
   cmd->add_flag("--reference", o->reference, "benchmark the float64 reference kernel instead of the dispatched one");
   cmd->add_option("--peak-seconds", o->peak_seconds, "seconds per peak microbenchmark (default 0.25)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--read-mib", o->read_mib, "buffer of the headline read-bandwidth figure, MiB (default 512)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--blas-core", o->blas_core,
                   "run the baseline with OPENBLAS_CORETYPE=NAME (default: unset, OpenBLAS detects the CPU)");

@@ -29,7 +29,7 @@ def main() -> int:
         env["OPENBLAS_L2_SIZE"] = "512"
         env.pop("QKV_BENCH_BLAS_ENV", None)
         cmd = [qkv, "bench", "--quick", "--seqlens", "64", "--decode-seqlens", "256", "--repeats", "1",
-               "--peak-seconds", "0.03", "--scaling", "--scaling-seqlen", "64", "--memory",
+               "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
                "--memory-seqlen", "128", "--json", path]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         check(r.returncode == 0, f"exit status {r.returncode}, stderr: {r.stderr}")
@@ -80,7 +80,7 @@ def main() -> int:
         # JSON to stdout: the document is the whole of stdout.
         r = subprocess.run([qkv, "bench", "--quick", "--shapes", "decode", "--dtype", "f32",
                             "--decode-seqlens", "128", "--repeats", "1", "--peak-seconds", "0.03",
-                            "--json", "-"], env=env, capture_output=True, text=True, timeout=60)
+                            "--read-mib", "32", "--no-baseline", "--json", "-"], env=env, capture_output=True, text=True, timeout=60)
         check(r.returncode == 0, f"--json - exit status {r.returncode}: {r.stderr}")
         try:
             doc = json.loads(r.stdout)
