@@ -289,6 +289,14 @@ std::vector<DType> selected_dtypes(const std::string& d) {
 void run_bench(BenchOptions o) {
   bench::reexec_with_clean_blas_env(bench::self_cmdline(), o.blas_core);
   const bool to_stdout = o.json_path == "-";
+  if (!o.json_path.empty() && !to_stdout) {
+    // Fail before minutes of measuring, not after.
+    const std::filesystem::path dir = std::filesystem::absolute(o.json_path).parent_path();
+    if (!std::filesystem::is_directory(dir))
+      throw Error("--json: directory '" + dir.string() + "' does not exist");
+    if (std::filesystem::is_directory(o.json_path))
+      throw Error("--json: '" + o.json_path + "' is a directory");
+  }
   g_out = to_stdout ? stderr : stdout;
 
   if (o.quick) {

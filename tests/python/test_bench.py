@@ -88,6 +88,13 @@ def main() -> int:
         except json.JSONDecodeError as e:
             failures.append(f"--json - did not write JSON to stdout: {e}")
 
+        # An unwritable JSON path fails at once, before measuring, and writes nothing.
+        bad = os.path.join(tmp, "missing", "x.json")
+        r = subprocess.run([qkv, "bench", "--quick", "--json", bad], env=env, capture_output=True, text=True,
+                           timeout=30)
+        check(r.returncode == 2 and r.stderr.startswith("qkv: error: --json") and not os.path.exists(bad),
+              f"bad --json path: {r.returncode} {r.stderr}")
+
         # Bad options exit 2 with one error line.
         r = subprocess.run([qkv, "bench", "--shapes", "sideways"], env=env, capture_output=True, text=True,
                            timeout=30)
