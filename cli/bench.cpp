@@ -31,7 +31,7 @@ using nlohmann::json;
 
 struct BenchOptions {
   bool quick = false, scaling = false, memory = false, no_baseline = false, reference = false;
-  std::string shapes = "all", dtype = "all", causal = "both", json_path, blas_core;
+  std::string shapes = "all", dtype = "all", causal = "both", json_path, markdown_path, blas_core;
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
@@ -230,19 +230,19 @@ void write_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp" + std::to_string(getpid());
   {
     std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error("--json: cannot open '" + path + "' for writing");
+    if (!f) throw Error("cannot open '" + path + "' for writing");
     f << text;
     if (!f.flush()) {
       std::error_code ec;
       std::filesystem::remove(tmp, ec);
-      throw Error("--json: write to '" + path + "' failed");
+      throw Error("write to '" + path + "' failed");
     }
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) {
     std::filesystem::remove(tmp, ec);
-    throw Error("--json: cannot write '" + path + "'");
+    throw Error("cannot write '" + path + "'");
   }
 }
 
@@ -279,6 +279,62 @@ void print_row(const Row& r) {
   std::fflush(g_out);
 }
 
+// The results as a Markdown table (docs/performance.md), with the run's machine figures above it.
+std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Peaks>& peaks, int threads,
+                     double load_start, double load_end) {
+  std::string md;
+  char buf[512];
+  std::snprintf(buf, sizeof buf, "qkv %s, %d threads, %s; load average %.1f at the start, %.1f at the end.\n\n",
+                qkv::version(), threads, bench::blas_env_note().c_str(), load_start, load_end);
+  md += buf;
+  md += "| threads | fp32 FMA GFLOP/s | bf16 dot GFLOP/s | read GB/s (buffer) |\n|---:|---:|---:|---:|\n";
+  for (const auto& [t, p] : peaks) {
+    std::snprintf(buf, sizeof buf, "| %d | %.0f (%s) | %.0f | %.1f (%.0f MiB) |\n", t, p.fma_gflops, p.fma_isa.c_str(),
+                  p.bf16_gflops, p.read_gbps, p.read_mib);
+    md += buf;
+  }
+  md += "\n| kind | B,Hq,Hkv,Sq,Sk,D | causal | dtype | kernel | thr | seconds | rate | baseline s | x baseline | % of peak |\n";
+  md += "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|\n";
+  for (const Row& r : rows) {
+    const BenchShape& s = r.shape;
+    char shape[96], rate[48], base[32] = "-", ratio[32] = "-";
+    std::snprintf(shape, sizeof shape, "%lld,%lld,%lld,%lld,%lld,%lld", (long long)s.B, (long long)s.Hq,
+                  (long long)s.Hkv, (long long)s.Sq, (long long)s.Sk, (long long)s.D);
+    if (r.kind == "decode")
+      std::snprintf(rate, sizeof rate, "%.2f GB/s", r.gbps);
+    else
+      std::snprintf(rate, sizeof rate, "%.2f GFLOP/s", r.gflops);
+    if (r.baseline_seconds) {
+      std::snprintf(base, sizeof base, "%.4g", *r.baseline_seconds);
+      std::snprintf(ratio, sizeof ratio, "%.2f", *r.baseline_seconds / r.seconds);
+    }
+    std::string kind = r.kind;
+    if (r.seconds_1thread) {
+      std::snprintf(buf, sizeof buf, " (1 thread %.4g s: %.2fx)", *r.seconds_1thread, *r.seconds_1thread / r.seconds);
+      kind += buf;
+    }
+    if (r.mem) {
+      std::snprintf(buf, sizeof buf, " (peak RSS %.1f MiB, %.1f MiB above inputs+output)", r.mem->hwm_mib,
+                    r.mem->extra_mib);
+      kind += buf;
+    }
+    std::snprintf(buf, sizeof buf, "| %s | %s | %s | %s | %s | %d | %.4g | %s | %s | %s | %.1f%% of %.0f |\n",
+                  kind.c_str(), shape, r.causal ? "yes" : "no", dtype_short(r.dtype).c_str(), r.kernel.c_str(),
+                  r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, r.peak_value);
+    md += buf;
+  }
+  return md;
+}
+
+double load_average() {
+  double l = 0;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &l) != 1) l = 0;
+    std::fclose(f);
+  }
+  return l;
+}
+
 std::vector<DType> selected_dtypes(const std::string& d) {
   if (d == "all") return {DType::f32, DType::bf16};
   if (d == "f32" || d == "float32") return {DType::f32};
@@ -289,14 +345,15 @@ std::vector<DType> selected_dtypes(const std::string& d) {
 void run_bench(BenchOptions o) {
   bench::reexec_with_clean_blas_env(bench::self_cmdline(), o.blas_core);
   const bool to_stdout = o.json_path == "-";
-  if (!o.json_path.empty() && !to_stdout) {
-    // Fail before minutes of measuring, not after.
-    const std::filesystem::path dir = std::filesystem::absolute(o.json_path).parent_path();
+  // Fail before minutes of measuring, not after.
+  for (const auto& [flag, path] : {std::pair{"--json", o.json_path}, std::pair{"--markdown", o.markdown_path}}) {
+    if (path.empty() || path == "-") continue;
+    const std::filesystem::path dir = std::filesystem::absolute(path).parent_path();
     if (!std::filesystem::is_directory(dir))
-      throw Error("--json: directory '" + dir.string() + "' does not exist");
-    if (std::filesystem::is_directory(o.json_path))
-      throw Error("--json: '" + o.json_path + "' is a directory");
+      throw Error(std::string(flag) + ": directory '" + dir.string() + "' does not exist");
+    if (std::filesystem::is_directory(path)) throw Error(std::string(flag) + ": '" + path + "' is a directory");
   }
+  const double load_start = load_average();
   g_out = to_stdout ? stderr : stdout;
 
   if (o.quick) {
@@ -392,6 +449,8 @@ void run_bench(BenchOptions o) {
   }
   std::fprintf(g_out, "peak resident memory of this process: %.1f MiB\n", bench::peak_rss_mib());
 
+  if (!o.markdown_path.empty())
+    write_atomically(o.markdown_path, markdown(rows, run.peaks().all(), threads, load_start, load_average()));
   if (!o.json_path.empty()) {
     json peaks = json::object();
     for (const auto& [t, p] : run.peaks().all()) peaks[std::to_string(t)] = peaks_json(p);
@@ -403,6 +462,8 @@ void run_bench(BenchOptions o) {
                 {"openblas_core", bench::blas_core_name()},
                 {"openblas_note", bench::blas_env_note()},
                 {"threads", threads},
+                {"load_average_start", load_start},
+                {"load_average_end", load_average()},
                 {"peaks", peaks},
                 {"read_bandwidth_by_size", reads},
                 {"rows", json::array()}};
@@ -457,6 +518,7 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--blas-core", o->blas_core,
                   "run the baseline with OPENBLAS_CORETYPE=NAME (default: unset, OpenBLAS detects the CPU)");
   cmd->add_option("--json", o->json_path, "also write the rows as JSON to FILE ('-' = stdout; the table then goes to stderr)");
+  cmd->add_option("--markdown", o->markdown_path, "also write the results as a Markdown table to FILE");
   cmd->callback([o] { run_bench(*o); });
 }
 

@@ -30,13 +30,15 @@ def main() -> int:
         env.pop("QKV_BENCH_BLAS_ENV", None)
         cmd = [qkv, "bench", "--quick", "--seqlens", "64", "--decode-seqlens", "256", "--repeats", "1",
                "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
-               "--memory-seqlen", "128", "--json", path]
+               "--memory-seqlen", "128", "--json", path, "--markdown", path + ".md"]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         check(r.returncode == 0, f"exit status {r.returncode}, stderr: {r.stderr}")
         check("openblas core:" in r.stdout, "no 'openblas core:' line in the table")
         check("OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset" in r.stdout or "SkylakeX" in r.stdout,
               "OpenBLAS variables were not removed: " + r.stdout[:400])
         doc = json.load(open(path))
+        md = open(path + ".md").read()
+        check(md.count("\n| forward |") == 4 and md.count("\n| decode |") == 4, "markdown rows:\n" + md)
         check(doc["openblas_core"] not in ("", "unknown", "Haswell") or "SkylakeX" in doc["openblas_note"],
               f"openblas core {doc['openblas_core']!r}: the environment's Haswell core was kept")
         for t, p in doc["peaks"].items():
