@@ -154,7 +154,7 @@ public:
     if (kind == "decode") {
       r.peak_name = "read_gbps";
       r.peak_value = peaks_.read_gbps(threads, bench::kv_bytes(s, dtype));
-    } else if (dtype != DType::f32 && pk.bf16_gflops > 0) {
+    } else if (dtype == DType::bf16 && pk.bf16_gflops > 0) {
       r.peak_name = "bf16_gflops";
       r.peak_value = pk.bf16_gflops;
     } else {
