@@ -97,6 +97,25 @@ double physical_memory_bytes() {
   return pages > 0 && size > 0 ? double(pages) * double(size) : 0.0;
 }
 
+// The table goes to stdout, or to stderr when the JSON goes to stdout.
+FILE* g_out = stdout;
+
+// The float64 reference kernel runs at well under 1 GFLOP/s: when it is what would be timed (no
+// fast kernel compiled in or usable) and was not asked for, shapes beyond 2e10 FLOP are skipped
+// with a note rather than running for hours.
+bool skip_reference(const BenchOptions& o, const BenchShape& s, bool causal, DType dtype, int threads) {
+  if (o.reference || bench::forward_flops(s, causal) <= 2e10) return false;
+  const bench::Inputs probe = bench::make_inputs({s.B, s.Hq, s.Hkv, 1, 1, s.D}, dtype);
+  AttentionParams p;
+  p.causal = causal;
+  p.num_threads = threads;
+  if (bench::dispatched_kernel(probe, p).rfind("reference", 0) != 0) return false;
+  std::fprintf(g_out, "%-8s %s %s %s: skipped, only the float64 reference kernel would run it (%.0f GFLOP)\n", "",
+               bench::shape_label(s).c_str(), causal ? "causal" : "not causal",
+               std::string(dtype_name(dtype)).c_str(), bench::forward_flops(s, causal) * 1e-9);
+  return true;
+}
+
 class Runner {
 public:
   explicit Runner(const BenchOptions& o) : o_(o), peaks_(o.peak_seconds, o.read_mib) {}
@@ -174,6 +193,7 @@ public:
 
   PeakTable& peaks() { return peaks_; }
 
+
 private:
   const BenchOptions& o_;
   PeakTable peaks_;
@@ -246,8 +266,6 @@ void write_atomically(const std::string& path, const std::string& text) {
   }
 }
 
-// The table goes to stdout, or to stderr when the JSON goes to stdout.
-FILE* g_out = stdout;
 
 void print_header() {
   std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3s %11s %14s %11s %8s %6s %-10s %9s\n", "kind", "shape",
@@ -376,8 +394,9 @@ void run_bench(BenchOptions o) {
   // The memory row runs in a forked child, before this process starts any OpenMP thread: a
   // child forked from a process with a thread pool cannot use OpenMP safely.
   std::optional<bench::MemoryUse> memory_use;
-  if (o.memory)
-    memory_use = bench::measure_memory({1, 8, 8, o.memory_seqlen, o.memory_seqlen, 128}, DType::f32, false, threads);
+  const BenchShape memory_shape{1, 8, 8, o.memory_seqlen, o.memory_seqlen, 128};
+  if (o.memory && !skip_reference(o, memory_shape, false, DType::f32, threads))
+    memory_use = bench::measure_memory(memory_shape, DType::f32, false, threads);
 
   std::fprintf(g_out, "qkv %s bench: %d threads, medians of up to %d runs\n", qkv::version(), threads, o.repeats);
   std::fprintf(g_out, "cpu features: %s\n", qkv::cpu_features_string().c_str());
@@ -404,7 +423,8 @@ void run_bench(BenchOptions o) {
         const BenchShape s{1, 8, 8, S, S, D};
         const bench::Inputs f32 = bench::make_inputs(s, DType::f32);
         for (bool c : causals)
-          for (DType d : dtypes) emit(run.measure("forward", s, c, d, threads, &f32));
+          for (DType d : dtypes)
+            if (!skip_reference(o, s, c, d, threads)) emit(run.measure("forward", s, c, d, threads, &f32));
       }
   }
   if (decode) {
@@ -412,7 +432,8 @@ void run_bench(BenchOptions o) {
       for (std::int64_t Hkv : {8, 2}) {
         const BenchShape s{1, 8, Hkv, 1, Sk, 128};
         const bench::Inputs f32 = bench::make_inputs(s, DType::f32);
-        for (DType d : dtypes) emit(run.measure("decode", s, false, d, threads, &f32));
+        for (DType d : dtypes)
+            if (!skip_reference(o, s, false, d, threads)) emit(run.measure("decode", s, false, d, threads, &f32));
       }
   }
   if (o.scaling) {
@@ -421,6 +442,7 @@ void run_bench(BenchOptions o) {
       for (bool c : causals)
         for (DType d : dtypes) {
           const BenchShape s{1, 8, 8, o.scaling_seqlen, o.scaling_seqlen, D};
+          if (skip_reference(o, s, c, d, threads)) continue;
           const bench::Inputs in = bench::make_inputs(s, d);
           const bench::Inputs* f32 = d == DType::f32 ? &in : nullptr;
           const Row one = run.measure("scaling", s, c, d, 1, f32, false);
