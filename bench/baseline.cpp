@@ -41,8 +41,10 @@ void NaiveBaseline::run(const Tensor& q, const Tensor& k, const Tensor& v, const
   float* ws = scores_.data();
 
   // With one thread the parallel region is inactive and OpenBLAS would thread the sgemm itself:
-  // pin it to one thread for the duration, whatever the team size.
+  // pin it to one thread for the duration, whatever the team size. (In OpenBLAS's OpenMP build
+  // this also sets OpenMP's default team size, restored afterwards.)
   const int blas_threads = openblas_get_num_threads();
+  const int omp_threads = omp_get_max_threads();
   openblas_set_num_threads(1);
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (std::int64_t bh = 0; bh < heads; ++bh) {
@@ -66,6 +68,7 @@ void NaiveBaseline::run(const Tensor& q, const Tensor& k, const Tensor& v, const
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Sk, 1.0f, sc, Sk, vh, D, 0.0f, oh, D);
   }
   openblas_set_num_threads(blas_threads);
+  omp_set_num_threads(omp_threads);
 }
 
 }  // namespace qkv::bench
