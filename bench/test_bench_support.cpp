@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 
 #include "qkv/reference.hpp"
 #include "qkv_bench.hpp"
@@ -47,7 +48,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{{2, 4, 2, 5, 33, 16}, true, 2},    // GQA, Sq < Sk: bottom-right diagonal
                       Case{{1, 4, 1, 33, 9, 64}, true, 2},    // Sq > Sk: leading rows see no key
                       Case{{1, 8, 2, 1, 300, 128}, false, 2}, // decode shape with GQA
-                      Case{{1, 3, 3, 64, 64, 59}, false, 1}));
+                      Case{{1, 3, 3, 64, 64, 59}, false, 1}),
+    [](const ::testing::TestParamInfo<Case>& i) {
+      const BenchShape& s = i.param.s;
+      return "B" + std::to_string(s.B) + "_Hq" + std::to_string(s.Hq) + "_Hkv" + std::to_string(s.Hkv) + "_Sq" +
+             std::to_string(s.Sq) + "_Sk" + std::to_string(s.Sk) + "_D" + std::to_string(s.D) +
+             (i.param.causal ? "_causal" : "") + "_t" + std::to_string(i.param.threads);
+    });
 
 TEST(Counts, UnmaskedPairsAndFlops) {
   // Sq == Sk: the causal triangle including the diagonal.
