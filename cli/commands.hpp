@@ -10,4 +10,5 @@ void add_explain(CLI::App& app);
 void add_generate(CLI::App& app);
 void add_info(CLI::App& app);
 void add_mha(CLI::App& app);
+void add_bench(CLI::App& app);
 }  // namespace qkv::cli

@@ -1,5 +1,5 @@
 // The qkv command: attention on files, a demo, the steps explained, text generation, the
-// attention layer, and machine information.
+// attention layer, benchmarks, and machine information.
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_generate(app);
   qkv::cli::add_info(app);
   qkv::cli::add_mha(app);
+  qkv::cli::add_bench(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

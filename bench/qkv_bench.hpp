@@ -1,0 +1,126 @@
+#pragma once
+// Measurement support shared by `qkv bench` and the Google Benchmark program: the naive unfused
+// baseline, machine peaks (FMA, bf16 dot product, read bandwidth), FLOP and byte counts of the
+// benchmark shapes, timing, and the OpenBLAS environment.
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/tensor.hpp"
+
+namespace qkv::bench {
+
+/// One attention problem: q [B,Hq,Sq,D], k and v [B,Hkv,Sk,D].
+struct BenchShape {
+  std::int64_t B = 1, Hq = 8, Hkv = 8, Sq = 256, Sk = 256, D = 64;
+};
+
+/// "B=1 Hq=8 Hkv=8 Sq=256 Sk=256 D=64"
+std::string shape_label(const BenchShape& s);
+
+/// Number of (i, j) score pairs that a causal mask (bottom-right alignment, the qkv default)
+/// keeps in one head: sum over i of clamp(i + Sk - Sq + 1, 0, Sk). Sq * Sk when not causal.
+double unmasked_pairs(const BenchShape& s, bool causal);
+/// FLOPs of a forward pass counting only unmasked scores: 4 * B * Hq * D * unmasked_pairs
+/// (2 for QK^T and 2 for PV per pair and head dimension).
+double forward_flops(const BenchShape& s, bool causal);
+/// Bytes of K and V when each is read once per KV head: 2 * B * Hkv * Sk * D * sizeof(dtype).
+double kv_bytes(const BenchShape& s, DType dtype);
+
+/// q, k, v (dtype, BHSD contiguous, uniform in [-1, 1] rounded to bfloat16 so that every dtype
+/// holds the same values for a seed) and a float32 output.
+struct Inputs {
+  Tensor q, k, v, out;
+};
+Inputs make_inputs(const BenchShape& s, DType dtype, std::uint64_t seed = 42);
+
+/// The kernel that qkv::attention() dispatches for these arguments, from explain_dispatch():
+/// the chosen line, e.g. "flash (AVX-512, fp32)" or "reference".
+std::string dispatched_kernel(const Inputs& in, const AttentionParams& params);
+
+// ---- naive unfused baseline -------------------------------------------------------------------
+
+/// Plain attention as three steps per head: S = scale * Q K^T (cblas_sgemm), a row softmax
+/// (causal masking when asked, bottom-right alignment), O = P V (cblas_sgemm). Heads are spread
+/// over OpenMP threads; each sgemm runs single-threaded. fp32 only; materialises Sq x Sk floats
+/// per thread (allocated once, reused across calls). GQA: query head h reads KV head h / (Hq/Hkv),
+/// once per query head.
+class NaiveBaseline {
+public:
+  NaiveBaseline(const BenchShape& s, int threads);
+  /// q, k, v float32 BHSD contiguous as from make_inputs(); out float32 [B,Hq,Sq,D].
+  void run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, bool causal);
+  /// Bytes of score workspace held (threads x Sq x Sk x 4).
+  std::size_t workspace_bytes() const { return scores_.size() * sizeof(float); }
+
+private:
+  BenchShape shape_;
+  int threads_;
+  std::vector<float> scores_;
+};
+
+// ---- machine peaks -----------------------------------------------------------------------------
+
+/// Measured peak figures. 0 where not measurable on this CPU (e.g. no AVX512_BF16).
+struct Peaks {
+  int threads = 1;
+  double fma_gflops = 0;   ///< fp32 FMA throughput (AVX-512, else AVX2), GFLOP/s, 2 FLOP per FMA lane
+  double bf16_gflops = 0;  ///< vdpbf16ps throughput, GFLOP/s, 4 FLOP per fp32 lane
+  double read_gbps = 0;    ///< streaming reads of a read_mib buffer (far beyond the caches), GB/s (1e9 B)
+  double read_mib = 512;
+  std::string fma_isa;     ///< "avx512", "avx2" or "scalar"
+};
+/// Runs the three microbenchmarks with `threads` OpenMP threads, each for about `seconds`.
+Peaks measure_peaks(int threads, double seconds = 0.25, double read_mib = 512);
+/// Read bandwidth in GB/s of `threads` threads streaming through a buffer of about `bytes`
+/// (split evenly, first touched by its reader), best pass of those in about `seconds`. On this
+/// kind of machine the figure depends strongly on the size (caches, and in virtual machines the
+/// host's memory layout), so decode rows are judged against a buffer of their own K+V size.
+double measure_read_bandwidth(int threads, double bytes, double seconds = 0.25);
+
+// ---- timing ------------------------------------------------------------------------------------
+
+double median(std::vector<double> v);
+/// Calls fn once to warm up, then `repeats` times (fewer if the warm-up run says they would take
+/// more than `budget_s`, at least 1), and returns every timed duration in seconds.
+std::vector<double> time_runs(const std::function<void()>& fn, int repeats, double budget_s);
+
+// ---- memory ------------------------------------------------------------------------------------
+
+/// Resident-memory figures of one attention call, measured in a forked child process so that
+/// nothing else in this process counts: inputs are allocated and touched first (rss_inputs),
+/// then the call runs; hwm is the child's peak resident set (VmHWM) afterwards.
+struct MemoryUse {
+  double rss_inputs_mib = 0;  ///< resident after allocating q, k, v, out
+  double hwm_mib = 0;         ///< peak resident set of the child
+  double extra_mib = 0;       ///< hwm - rss_inputs: what the call itself added at its peak
+  double seconds = 0;         ///< duration of the call
+  std::string kernel;
+};
+/// Throws qkv::Error if the child fails. Call it before this process runs any OpenMP parallel
+/// region: OpenMP (libgomp) is not usable in a child forked after its threads exist.
+MemoryUse measure_memory(const BenchShape& s, DType dtype, bool causal, int threads);
+
+/// Current process's peak resident set in MiB (VmHWM from /proc/self/status; 0 if unavailable).
+double peak_rss_mib();
+
+// ---- OpenBLAS environment ----------------------------------------------------------------------
+
+/// OpenBLAS reads OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE once, when the library loads. If either
+/// is set (or `coretype` is non-empty and differs from OPENBLAS_CORETYPE), re-executes this
+/// program once with both removed (and OPENBLAS_CORETYPE=coretype when given), guarded by the
+/// marker variable QKV_BENCH_BLAS_ENV. `args` are the program's arguments, argv[0] first. Returns
+/// only if no re-execution was needed or it failed (then the second line of blas_env_note()
+/// says why).
+void reexec_with_clean_blas_env(const std::vector<std::string>& args, const std::string& coretype = "");
+/// The program's arguments as the kernel recorded them (/proc/self/cmdline), for re-execution
+/// from code that does not hold argv.
+std::vector<std::string> self_cmdline();
+/// openblas_get_corename(), e.g. "Cooperlake".
+std::string blas_core_name();
+/// One line saying which OpenBLAS core the baseline uses and how the environment was set.
+std::string blas_env_note();
+
+}  // namespace qkv::bench

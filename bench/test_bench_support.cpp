@@ -1,0 +1,93 @@
+// Tests of the benchmark support code: the naive baseline against the float64 reference, and the
+// FLOP and byte counts the reports divide by. (Timings are never asserted.)
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+
+#include "qkv/reference.hpp"
+#include "qkv_bench.hpp"
+
+namespace {
+
+using qkv::bench::BenchShape;
+
+double max_abs_diff(const qkv::Tensor& a, const qkv::Tensor& b) {
+  double m = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i)
+    m = std::max(m, std::fabs(double(a.data_as<float>()[i]) - double(b.data_as<float>()[i])));
+  return m;
+}
+
+struct Case {
+  BenchShape s;
+  bool causal;
+  int threads;
+};
+
+class BaselineVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(BaselineVsReference, MatchesWithinFp32Tolerance) {
+  const Case c = GetParam();
+  const qkv::bench::Inputs in = qkv::bench::make_inputs(c.s, qkv::DType::f32, 7);
+  qkv::Tensor want(qkv::DType::f32, {c.s.B, c.s.Hq, c.s.Sq, c.s.D});
+  qkv::AttentionParams p;
+  p.causal = c.causal;
+  qkv::reference::attention(in.q, in.k, in.v, want, p);
+  qkv::bench::NaiveBaseline base(c.s, c.threads);
+  base.run(in.q, in.k, in.v, in.out, c.causal);
+  // |q.k| <= D for inputs in [-1, 1]; fp32 sgemm and softmax stay within a few ulps of 1 per
+  // element of the output (a convex combination of values in [-1, 1]).
+  EXPECT_LT(max_abs_diff(in.out, want), 2e-5) << qkv::bench::shape_label(c.s) << " causal " << c.causal;
+  EXPECT_EQ(base.workspace_bytes(), std::size_t(c.threads) * c.s.Sq * c.s.Sk * sizeof(float));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, BaselineVsReference,
+    ::testing::Values(Case{{1, 2, 2, 17, 17, 8}, false, 1}, Case{{1, 2, 2, 17, 17, 8}, true, 2},
+                      Case{{2, 4, 2, 5, 33, 16}, true, 2},    // GQA, Sq < Sk: bottom-right diagonal
+                      Case{{1, 4, 1, 33, 9, 64}, true, 2},    // Sq > Sk: leading rows see no key
+                      Case{{1, 8, 2, 1, 300, 128}, false, 2}, // decode shape with GQA
+                      Case{{1, 3, 3, 64, 64, 59}, false, 1}),
+    [](const ::testing::TestParamInfo<Case>& i) {
+      const BenchShape& s = i.param.s;
+      return "B" + std::to_string(s.B) + "_Hq" + std::to_string(s.Hq) + "_Hkv" + std::to_string(s.Hkv) + "_Sq" +
+             std::to_string(s.Sq) + "_Sk" + std::to_string(s.Sk) + "_D" + std::to_string(s.D) +
+             (i.param.causal ? "_causal" : "") + "_t" + std::to_string(i.param.threads);
+    });
+
+TEST(Counts, UnmaskedPairsAndFlops) {
+  // Sq == Sk: the causal triangle including the diagonal.
+  EXPECT_EQ(qkv::bench::unmasked_pairs({1, 8, 8, 4, 4, 64}, true), 10.0);
+  EXPECT_EQ(qkv::bench::unmasked_pairs({1, 8, 8, 4, 4, 64}, false), 16.0);
+  // Sq < Sk, bottom-right: query i sees keys 0..i+Sk-Sq: 3 + 4 = 7 of 2 x 4.
+  EXPECT_EQ(qkv::bench::unmasked_pairs({1, 1, 1, 2, 4, 1}, true), 7.0);
+  // Sq > Sk: the first Sq-Sk rows see nothing: 0 + 1 + 2 = 3.
+  EXPECT_EQ(qkv::bench::unmasked_pairs({1, 1, 1, 3, 2, 1}, true), 3.0);
+  EXPECT_EQ(qkv::bench::forward_flops({1, 8, 8, 1024, 1024, 128}, false), 4.0 * 8 * 1024 * 1024 * 128);
+  EXPECT_EQ(qkv::bench::forward_flops({2, 8, 8, 4, 4, 64}, true), 4.0 * 2 * 8 * 64 * 10);
+}
+
+TEST(Counts, KvBytesOncePerKvHead) {
+  EXPECT_EQ(qkv::bench::kv_bytes({1, 8, 2, 1, 32768, 128}, qkv::DType::f32), 2.0 * 2 * 32768 * 128 * 4);
+  EXPECT_EQ(qkv::bench::kv_bytes({1, 8, 8, 1, 4096, 128}, qkv::DType::bf16), 2.0 * 8 * 4096 * 128 * 2);
+}
+
+TEST(Inputs, SameValuesForEveryDtype) {
+  const BenchShape s{1, 2, 1, 3, 5, 7};
+  const auto f = qkv::bench::make_inputs(s, qkv::DType::f32, 3);
+  const auto b = qkv::bench::make_inputs(s, qkv::DType::bf16, 3);
+  for (std::int64_t i = 0; i < f.k.numel(); ++i)
+    EXPECT_EQ(f.k.data_as<float>()[i], qkv::bf16_to_float(b.k.data_as<std::uint16_t>()[i]));
+}
+
+TEST(Timing, MedianAndRunCount) {
+  EXPECT_EQ(qkv::bench::median({3, 1, 2}), 2.0);
+  EXPECT_EQ(qkv::bench::median({4, 1, 2, 3}), 2.5);
+  int calls = 0;
+  const auto t = qkv::bench::time_runs([&] { ++calls; }, 4, 10.0);
+  EXPECT_EQ(t.size(), 4u);
+  EXPECT_EQ(calls, 5);  // one warm-up
+}
+
+}  // namespace

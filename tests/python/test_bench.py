@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Smoke test of `qkv bench`: a tiny grid with --json; checks the report's structure only
+(timings are not asserted: they depend on the machine and its load)."""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+ROW_FIELDS = ["shape", "causal", "dtype", "kernel", "seconds", "gflops", "gbps",
+              "baseline_seconds", "peak_fraction"]
+SHAPE_FIELDS = ["B", "Hq", "Hkv", "Sq", "Sk", "D"]
+
+
+def main() -> int:
+    qkv = sys.argv[1]
+    failures = []
+
+    def check(cond, what):
+        if not cond:
+            failures.append(what)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "bench.json")
+        env = dict(os.environ)
+        # The bench must drop these itself (OpenBLAS reads them at load time).
+        env["OPENBLAS_CORETYPE"] = "Haswell"
+        env["OPENBLAS_L2_SIZE"] = "512"
+        env.pop("QKV_BENCH_BLAS_ENV", None)
+        cmd = [qkv, "bench", "--quick", "--seqlens", "64", "--decode-seqlens", "256", "--repeats", "1",
+               "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
+               "--memory-seqlen", "128", "--json", path, "--markdown", path + ".md"]
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+        check(r.returncode == 0, f"exit status {r.returncode}, stderr: {r.stderr}")
+        check("openblas core:" in r.stdout, "no 'openblas core:' line in the table")
+        check("OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset" in r.stdout or "SkylakeX" in r.stdout,
+              "OpenBLAS variables were not removed: " + r.stdout[:400])
+        doc = json.load(open(path))
+        md = open(path + ".md").read()
+        check(md.count("\n| forward |") == 4 and md.count("\n| decode |") == 4, "markdown rows:\n" + md)
+        check(doc["openblas_core"] not in ("", "unknown", "Haswell") or "SkylakeX" in doc["openblas_note"],
+              f"openblas core {doc['openblas_core']!r}: the environment's Haswell core was kept")
+        for t, p in doc["peaks"].items():
+            check(p["fma_gflops"] > 0 and p["read_gbps"] > 0, f"peaks for {t} threads not measured: {p}")
+        rows = doc["rows"]
+        kinds = {r["kind"] for r in rows}
+        check(kinds == {"forward", "decode", "scaling", "memory"}, f"row kinds {kinds}")
+        # --quick with both dtypes: forward 2 (causal) x 2 (dtype), decode 2 (Hkv) x 2 (dtype).
+        check(sum(r["kind"] == "forward" for r in rows) == 4, "forward row count")
+        check(sum(r["kind"] == "decode" for r in rows) == 4, "decode row count")
+        for row in rows:
+            for f in ROW_FIELDS:
+                check(f in row, f"row {row.get('kind')} lacks field {f!r}")
+            if any(f not in row for f in ROW_FIELDS):
+                continue
+            check(sorted(row["shape"]) == sorted(SHAPE_FIELDS), f"shape fields {row['shape']}")
+            check(row["dtype"] in ("float32", "bfloat16"), f"dtype {row['dtype']}")
+            check(isinstance(row["causal"], bool), "causal not a bool")
+            check(row["seconds"] > 0 and math.isfinite(row["gflops"]) and row["gflops"] > 0, f"timing {row}")
+            check(row["kernel"] and row["kernel"] != "unknown", f"kernel {row['kernel']!r}")
+            if row["kind"] in ("forward", "decode"):
+                s = row["shape"]
+                check(row["baseline_seconds"] is not None and row["baseline_seconds"] > 0, "no baseline")
+                # The baseline runs the same values (rounded to bf16 for every dtype): outputs agree.
+                check(row["max_abs_diff_vs_baseline"] < 1e-3, f"qkv and baseline differ: {row}")
+                # FLOPs: 4*B*Hq*D*pairs; causal counts the Sq*(Sq+1)/2 unmasked pairs when Sq == Sk.
+                pairs = s["Sq"] * s["Sk"]
+                if row["causal"] and s["Sq"] == s["Sk"]:
+                    pairs = s["Sq"] * (s["Sq"] + 1) // 2
+                flops = 4 * s["B"] * s["Hq"] * s["D"] * pairs
+                check(abs(row["gflops"] * row["seconds"] * 1e9 - flops) <= 1e-6 * flops, f"flop count {row}")
+                esize = 4 if row["dtype"] == "float32" else 2
+                kv = 2 * s["B"] * s["Hkv"] * s["Sk"] * s["D"] * esize
+                check(abs(row["gbps"] * row["seconds"] * 1e9 - kv) <= 1e-6 * kv, f"byte count {row}")
+                check(row["peak_fraction"] > 0, "peak fraction")
+            if row["kind"] == "scaling":
+                check(row.get("seconds_1thread", 0) > 0, "scaling row without a 1-thread time")
+            if row["kind"] == "memory":
+                check(row.get("peak_rss_mib", 0) > 0 and "extra_rss_mib" in row, f"memory row {row}")
+
+        # JSON to stdout: the document is the whole of stdout.
+        r = subprocess.run([qkv, "bench", "--quick", "--shapes", "decode", "--dtype", "f32",
+                            "--decode-seqlens", "128", "--repeats", "1", "--peak-seconds", "0.03",
+                            "--read-mib", "32", "--no-baseline", "--json", "-"], env=env, capture_output=True, text=True, timeout=60)
+        check(r.returncode == 0, f"--json - exit status {r.returncode}: {r.stderr}")
+        try:
+            doc = json.loads(r.stdout)
+            check(len(doc["rows"]) == 2, f"--json -: {len(doc['rows'])} rows")
+        except json.JSONDecodeError as e:
+            failures.append(f"--json - did not write JSON to stdout: {e}")
+
+        # An unwritable JSON path fails at once, before measuring, and writes nothing.
+        bad = os.path.join(tmp, "missing", "x.json")
+        r = subprocess.run([qkv, "bench", "--quick", "--json", bad], env=env, capture_output=True, text=True,
+                           timeout=30)
+        check(r.returncode == 2 and r.stderr.startswith("qkv: error: --json") and not os.path.exists(bad),
+              f"bad --json path: {r.returncode} {r.stderr}")
+
+        # Bad options exit 2 with one error line.
+        r = subprocess.run([qkv, "bench", "--shapes", "sideways"], env=env, capture_output=True, text=True,
+                           timeout=30)
+        check(r.returncode == 2 and r.stderr.startswith("qkv: error:"), f"bad option: {r.returncode} {r.stderr}")
+
+    for f in failures:
+        print("FAIL:", f)
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
