@@ -84,6 +84,10 @@ std::int64_t TensorView::numel() const noexcept {
 }
 
 bool TensorView::is_contiguous() const noexcept {
+  // A view of no elements is trivially contiguous (contiguous_strides() gives such shapes
+  // strides computed with size-0 axes counted as 1, which the loop below would reject).
+  for (auto d : shape_)
+    if (d == 0) return true;
   std::int64_t s = 1;
   for (std::size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] != 1 && strides_[i] != s) return false;
@@ -173,12 +177,25 @@ double load_as_double(const void* data, DType dtype, std::int64_t i) noexcept {
   return 0.0;
 }
 
+namespace {
+// float64 -> float32 rounded to odd: an inexact result is truncated toward zero and its last
+// bit set. Rounding that float32 to float16 or bfloat16 (nearest even) then equals rounding the
+// float64 directly, since float32 carries more than two extra bits; rounding to nearest twice
+// would not (1 + 2^-11 + 2^-40 would become the float16 midpoint 1 + 2^-11, then 1).
+float to_float_round_odd(double x) noexcept {
+  float f = static_cast<float>(x);
+  if (!std::isfinite(f) || static_cast<double>(f) == x) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | 1u);
+}
+}  // namespace
+
 void store_from_double(void* data, DType dtype, std::int64_t i, double x) noexcept {
   switch (dtype) {
     case DType::f32: static_cast<float*>(data)[i] = static_cast<float>(x); break;
     case DType::f64: static_cast<double*>(data)[i] = x; break;
-    case DType::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(static_cast<float>(x)); break;
-    case DType::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(static_cast<float>(x)); break;
+    case DType::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(to_float_round_odd(x)); break;
+    case DType::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(to_float_round_odd(x)); break;
     case DType::b8: static_cast<std::uint8_t*>(data)[i] = x != 0.0; break;
     case DType::i32: static_cast<std::int32_t*>(data)[i] = static_cast<std::int32_t>(x); break;
     case DType::i64: static_cast<std::int64_t*>(data)[i] = static_cast<std::int64_t>(x); break;
