@@ -1,6 +1,7 @@
 // Every check of an attention call happens here, once; kernels trust the lowered Problem.
 #include "api/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -13,16 +14,32 @@ std::string s(std::int64_t x) { return std::to_string(x); }
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
 
+// A null data pointer is only acceptable for a view of no elements. checked_numel() first:
+// TensorView::numel() of an overflowing shape would itself overflow.
+void check_data(const TensorView& t, const char* name) {
+  const std::int64_t n = checked_numel(t.shape(), dtype_size(t.dtype()), name);
+  if (t.data() == nullptr && n > 0)
+    throw Error(std::string(name) + ": expected a data pointer for shape " + shape_str(t.shape()) +
+                ", got null");
+}
+
+// Two elements of an output must not share memory: a zero stride on an axis of size > 1 (a
+// broadcast view) would make every kernel write one element many times, racing across threads.
+void check_distinct(const TensorView& t, const char* name) {
+  for (int a = 0; a < t.rank(); ++a)
+    if (t.size(a) > 1 && t.stride(a) == 0)
+      throw Error(std::string(name) + ": expected an output with distinct elements (no zero stride on an axis of size > 1), got shape " +
+                  shape_str(t.shape()) + " with strides " + shape_str(t.strides()));
+}
+
 void check_rank4(const TensorView& t, const char* name, const char* axes) {
   if (t.rank() != 4)
     throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
                 s(t.rank()) + " with shape " + shape_str(t.shape()));
-  if (t.data() == nullptr && t.numel() > 0)
-    throw Error(std::string(name) + ": data pointer is null for shape " + shape_str(t.shape()));
+  check_data(t, name);
   if (t.size(3) > 1 && t.stride(3) != 1)
     throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
-                s(t.stride(3)));
-  checked_numel(t.shape(), dtype_size(t.dtype()), name);
+                s(t.stride(3)) + " in shape " + shape_str(t.shape()));
 }
 
 void expect_dim(const TensorView& t, const char* name, const char* axes, int axis,
@@ -48,7 +65,8 @@ Span span_of(const TensorView& t) {
 void check_no_overlap(const TensorView& out, const char* oname, const TensorView& in, const char* iname) {
   const Span a = span_of(out), b = span_of(in);
   if (a.lo && b.lo && a.lo < b.hi && b.lo < a.hi)
-    throw Error(std::string(oname) + ": output memory overlaps input " + iname);
+    throw Error(std::string(oname) + ": expected memory disjoint from " + iname + ", got " +
+                std::to_string(std::min(a.hi, b.hi) - std::max(a.lo, b.lo)) + " overlapping bytes");
 }
 
 OutOperand lower_out(const TensorView& t) {
@@ -72,6 +90,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   check_rank4(k, "k", "[B,Hkv,Sk,D]");
   check_rank4(v, "v", "[B,Hkv,Sk,Dv]");
   check_rank4(out, "out", "[B,Hq,Sq,Dv]");
+  check_distinct(out, "out");
 
   if (!is_float(q.dtype()))
     throw Error("q: expected dtype float32, float64, float16 or bfloat16, got " + std::string(dtype_name(q.dtype())));
@@ -119,7 +138,8 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(l.shape()));
     if (l.dtype() != DType::f32 && l.dtype() != DType::f64)
       throw Error("softmax_lse: expected dtype float32 or float64, got " + std::string(dtype_name(l.dtype())));
-    if (!l.data() && l.numel() > 0) throw Error("softmax_lse: data pointer is null");
+    check_data(l, "softmax_lse");
+    check_distinct(l, "softmax_lse");
     check_no_overlap(*softmax_lse, "softmax_lse", out, "out");
     p.lse = lower_out(l);
   }
@@ -130,8 +150,8 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(pr.shape()));
     if (pr.dtype() != DType::f32 && pr.dtype() != DType::f64)
       throw Error("probs: expected dtype float32 or float64, got " + std::string(dtype_name(pr.dtype())));
-    if (!pr.data() && pr.numel() > 0) throw Error("probs: data pointer is null");
-    checked_numel(pr.shape(), dtype_size(pr.dtype()), "probs");
+    check_data(pr, "probs");
+    check_distinct(pr, "probs");
     check_no_overlap(*probs, "probs", out, "out");
     if (softmax_lse) check_no_overlap(*probs, "probs", *softmax_lse, "softmax_lse");
     p.probs = lower_out(pr);
@@ -168,7 +188,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     if (m.dtype() != DType::b8 && m.dtype() != DType::f32 && m.dtype() != DType::f64)
       throw Error("mask: expected dtype bool (true = attend) or float32/float64 (additive), got " +
                   std::string(dtype_name(m.dtype())));
-    if (!m.data() && m.numel() > 0) throw Error("mask: data pointer is null");
+    check_data(m, "mask");
     std::int64_t st[4] = {0, 0, 0, 0};
     const int off = 4 - m.rank();
     for (int a = 0; a < m.rank(); ++a) {
@@ -178,6 +198,9 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                     shape_str(target));
       st[a + off] = m.size(a) == 1 ? 0 : m.stride(a);
     }
+    check_no_overlap(out, "out", m, "mask");
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", m, "mask");
+    if (probs) check_no_overlap(*probs, "probs", m, "mask");
     p.mask = {m.data(), m.dtype(), st[0], st[1], st[2], st[3]};
   }
 
@@ -187,7 +210,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
       throw Error("kv_lens: expected shape [B] = " + shape_str({p.B}) + ", got " + shape_str(l.shape()));
     if (l.dtype() != DType::i32 && l.dtype() != DType::i64)
       throw Error("kv_lens: expected dtype int32 or int64, got " + std::string(dtype_name(l.dtype())));
-    if (!l.data() && l.numel() > 0) throw Error("kv_lens: data pointer is null");
+    check_data(l, "kv_lens");
     p.kv_lens.resize(static_cast<std::size_t>(p.B));
     for (std::int64_t b = 0; b < p.B; ++b) {
       const std::int64_t off = b * l.stride(0);
