@@ -73,8 +73,8 @@ TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
     if (d < 0) throw Error("tensor: expected non-negative dimensions, got " + shape_str(shape_));
   if (strides_.empty()) strides_ = contiguous_strides(shape_);
   if (strides_.size() != shape_.size())
-    throw Error("tensor: strides " + shape_str(strides_) + " do not match the rank of shape " +
-                shape_str(shape_));
+    throw Error("tensor: expected " + std::to_string(shape_.size()) + " strides (the rank of shape " +
+                shape_str(shape_) + "), got " + shape_str(strides_));
 }
 
 std::int64_t TensorView::numel() const noexcept {
@@ -103,8 +103,10 @@ TensorView TensorView::permute(std::initializer_list<int> order) const {
   Shape sh, st;
   std::vector<bool> seen(shape_.size(), false);
   for (int a : order) {
-    if (a < 0 || a >= rank() || seen[static_cast<std::size_t>(a)])
-      throw Error("permute: axis " + std::to_string(a) + " is out of range or repeated");
+    if (a < 0 || a >= rank())
+      throw Error("permute: expected axes in [0, " + std::to_string(rank()) + "), got axis " + std::to_string(a));
+    if (seen[static_cast<std::size_t>(a)])
+      throw Error("permute: expected each axis once, got axis " + std::to_string(a) + " twice");
     seen[static_cast<std::size_t>(a)] = true;
     sh.push_back(shape_[static_cast<std::size_t>(a)]);
     st.push_back(strides_[static_cast<std::size_t>(a)]);
