@@ -11,7 +11,8 @@
 ///   q   [B, Hq,  Sq, D]     float32 | float64 | float16 | bfloat16
 ///   k   [B, Hkv, Sk, D]     same dtype as q
 ///   v   [B, Hkv, Sk, Dv]    same dtype as q
-///   out [B, Hq,  Sq, Dv]    float32 | float64 | bfloat16 (written)
+///   out [B, Hq,  Sq, Dv]    float32 | float64 | float16 | bfloat16 (written, each element
+///                           rounded once to nearest even)
 ///   softmax_lse [B, Hq, Sq] float32 | float64 (optional, written): natural log of the sum of
 ///                           exp(score) over the admissible keys of each row
 ///   probs [B, Hq, Sq, Sk]   float32 | float64 (optional, written): the attention weights,
