@@ -89,8 +89,9 @@ def attention_ref(q, k, v, *, layout="bhsd", scale=None, causal=False, align="bo
 
 # ---- running the tool --------------------------------------------------------------------------
 
-def run(args, cwd=None):
-    r = subprocess.run([QKV] + args, capture_output=True, text=True, cwd=cwd, timeout=120)
+def run(args, cwd=None, env=None):
+    r = subprocess.run([QKV] + args, capture_output=True, text=True, cwd=cwd, timeout=120,
+                       env=None if env is None else {**os.environ, **env})
     return r.returncode, r.stdout, r.stderr
 
 
@@ -432,6 +433,13 @@ def demo_and_info():
     check("info: version", out.startswith("qkv "), out[:40])
     check("info: cpu features line", "cpu features:" in out, out)
     check("info: lists the reference kernel", "reference" in out, out)
+    # QKV_ISA caps the features reported (and so the kernels dispatched) below the CPU's own.
+    rc, out, err = run(["info"], env={"QKV_ISA": "scalar"})
+    check("info with QKV_ISA=scalar reports no SIMD feature", rc == 0 and "cpu features: none" in out, out)
+    rc, out, err = run(["info"], env={"QKV_ISA": "avx2"})
+    check("info with QKV_ISA=avx2 reports no AVX-512 feature", rc == 0 and "avx512" not in out.split("cpu features:")[1].splitlines()[0], out)
+    rc, out, err = run(["demo"], env={"QKV_ISA": "scalar"})
+    check("demo with QKV_ISA=scalar: exit 0", rc == 0 and "MISMATCH" not in out, err)
     rc, out, err = run(["--version"])
     check("--version", rc == 0 and out.startswith("qkv "), out + err)
     rc, out, err = run([])
