@@ -96,7 +96,13 @@ void run_attend(const AttendOptions& o) {
     probs.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
     probs_view = probs->view();
   }
-  attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
+  try {
+    attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
+  } catch (const Error& e) {
+    // The library speaks of [B,H,S,X] views; say so when the files hold [B,S,H,X].
+    if (bshd) throw Error(std::string(e.what()) + " (--layout bshd: shapes shown as [B,H,S,X] views of the [B,S,H,X] files)");
+    throw;
+  }
 
   // Each file is written atomically; if a later one fails, the earlier ones are removed too.
   std::vector<std::string> written;

@@ -345,6 +345,7 @@ def error_cases(tmp):
         ("wrong rank q", with_("--q", rank3), "--q"),
         ("wrong rank v", with_("--v", rank3), "--v"),
         ("k head_dim mismatch", with_("--k", k_badD), "k:"),
+        ("k head_dim mismatch, bshd", with_("--k", k_badD) + ["--layout", "bshd"], "--layout bshd"),
         ("v Sk mismatch", with_("--v", v_badSk), "v:"),
         ("Hq % Hkv", with_("--k", k_3heads)[:] , "k:"),
         ("k dtype mismatch", with_("--k", k_f16), "k:"),
