@@ -574,6 +574,62 @@ TEST(Reference, EveryOptionMatchesTheFloat64Definition) {
     }
 }
 
+// The grid of docs/architecture.md: every head_dim and length tail, both alignments, GQA
+// ratios 1/2/8, and inputs with +-20 sigma outliers.
+TEST(Reference, ShapeGridWithOutliers) {
+  struct Len { std::int64_t Sq, Sk; };
+  const Len lens[] = {{1, 1}, {2, 17}, {17, 2}, {97, 97}, {1, 128}, {128, 97}};
+  const std::int64_t ratios[] = {1, 2, 8};
+  int n = 0;
+  for (std::int64_t D : {1, 8, 59, 64, 111, 128, 256})
+    for (const Len& l : lens) {
+      Case c;
+      c.Hkv = 1;
+      c.Hq = ratios[n % 3];
+      c.Sq = l.Sq;
+      c.Sk = l.Sk;
+      c.D = D;
+      c.Dv = D == 1 ? 1 : D / 2 + 1;
+      randomize(c, static_cast<std::uint32_t>(D * 1000 + l.Sq * 7 + l.Sk));
+      std::mt19937 rng(static_cast<std::uint32_t>(n));
+      for (auto* vec : {&c.q, &c.k, &c.v})
+        for (int o = 0; o < 3; ++o) (*vec)[rng() % vec->size()] = (rng() % 2 ? 20.0 : -20.0);
+      c.params.causal = n % 2 == 0;
+      c.params.align = n % 4 == 0 ? Alignment::top_left : Alignment::bottom_right;
+      ++n;
+      for (Impl impl : kImpls) {
+        RunOptions ro = options_for(impl);
+        ro.want_probs = false;
+        EXPECT_TRUE(matches_naive(c, impl, ro, "D=" + std::to_string(D) + " Sq=" + std::to_string(l.Sq) + " Sk=" + std::to_string(l.Sk)));
+      }
+    }
+}
+
+TEST(Reference, StridedMaskView) {
+  // A [Sk, Sq] buffer passed as its transpose, a [Sq, Sk] view with strides (1, Sq).
+  Case c;
+  c.Sq = 3;
+  c.Sk = 4;
+  c.D = 2;
+  c.Dv = 2;
+  randomize(c, 61);
+  const std::uint8_t t[4][3] = {{1, 0, 1}, {1, 1, 0}, {0, 1, 1}, {1, 0, 0}};  // t[j][i]
+  c.mask_shape = {3, 4};
+  for (int i = 0; i < 3; ++i)
+    for (int j = 0; j < 4; ++j) c.mask.push_back(t[j][i]);
+  const Result want = naive(c);
+  AttentionParams p;
+  p.mask = TensorView(const_cast<std::uint8_t*>(&t[0][0]), DType::b8, {4, 3}).permute({1, 0});
+  std::vector<double> o(6);
+  const TensorView q(c.q.data(), DType::f64, {1, 1, 3, 2}), k(c.k.data(), DType::f64, {1, 1, 4, 2}),
+      v(c.v.data(), DType::f64, {1, 1, 4, 2}), out(o.data(), DType::f64, {1, 1, 3, 2});
+  reference::attention(q, k, v, out, p);
+  EXPECT_TRUE(near(o, want.o, 1e-12, 0, "reference"));
+  std::fill(o.begin(), o.end(), 0.0);
+  attention(q, k, v, out, p);
+  EXPECT_TRUE(near(o, want.o, 1e-6, 0, "dispatch"));
+}
+
 // --- dtypes and layouts ------------------------------------------------------------------------
 
 Case random_case(std::uint32_t seed) {
