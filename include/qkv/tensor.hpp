@@ -39,7 +39,8 @@ class TensorView {
 public:
   TensorView() = default;
   /// @param strides empty means C-contiguous (row-major) strides for `shape`.
-  /// @throws qkv::Error if shape and strides differ in rank or a dimension is negative.
+  /// @throws qkv::Error if shape and strides differ in rank, a dimension is negative, or the
+  /// contiguous strides of `shape` overflow int64.
   TensorView(void* data, DType dtype, Shape shape, Shape strides = {});
 
   void* data() const noexcept { return data_; }
@@ -65,7 +66,8 @@ private:
   Shape strides_;
 };
 
-/// C-contiguous strides of a shape.
+/// C-contiguous strides of a shape (size-0 axes count as 1).
+/// @throws qkv::Error if a stride overflows int64.
 Shape contiguous_strides(const Shape& shape);
 
 /// An owning, C-contiguous tensor whose buffer is 64-byte aligned and zero-initialised.

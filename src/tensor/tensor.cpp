@@ -62,7 +62,10 @@ Shape contiguous_strides(const Shape& shape) {
   std::int64_t s = 1;
   for (std::size_t i = shape.size(); i-- > 0;) {
     st[i] = s;
-    s *= std::max<std::int64_t>(shape[i], 1);
+    // The product past axis 0 is not a stride: skip it, so that a shape whose element count
+    // overflows still has strides (and can be refused by checked_numel with a clear message).
+    if (i > 0 && __builtin_mul_overflow(s, std::max<std::int64_t>(shape[i], 1), &s))
+      throw Error("tensor: expected a shape whose contiguous strides fit in int64, got " + shape_str(shape));
   }
   return st;
 }
