@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "qkv/error.hpp"
@@ -49,22 +50,33 @@ void expect_dim(const TensorView& t, const char* name, const char* axes, int axi
                 s(want) + "), got " + letter + " = " + s(t.size(axis)) + " in shape " + shape_str(t.shape()));
 }
 
-// Byte range [lo, hi) spanned by a view (empty views span nothing).
-struct Span { const char* lo = nullptr; const char* hi = nullptr; };
-Span span_of(const TensorView& t) {
-  if (t.numel() == 0 || !t.data()) return {};
-  std::int64_t lo = 0, hi = 0;
-  for (int a = 0; a < t.rank(); ++a) {
-    const std::int64_t ext = (t.size(a) - 1) * t.stride(a);
-    (ext < 0 ? lo : hi) += ext;
-  }
-  const auto* base = static_cast<const char*>(t.data());
+// Byte range [lo, hi) spanned by a view (empty views span nothing). Addresses as integers:
+// the range may reach outside what a pointer may point to when strides are negative.
+struct Span { std::uintptr_t lo = 0, hi = 0; bool empty = true; };
+Span span_of(const TensorView& t, const char* name) {
+  if (!t.data()) return {};
+  for (auto d : t.shape())
+    if (d == 0) return {};
   const auto es = static_cast<std::int64_t>(dtype_size(t.dtype()));
-  return {base + lo * es, base + (hi + 1) * es};
+  std::int64_t lo = 0, hi = 0;
+  bool overflow = false;
+  for (int a = 0; a < t.rank(); ++a) {
+    std::int64_t ext = 0;
+    overflow |= __builtin_mul_overflow(t.size(a) - 1, t.stride(a), &ext);
+    std::int64_t& side = ext < 0 ? lo : hi;
+    overflow |= __builtin_add_overflow(side, ext, &side);
+  }
+  overflow |= __builtin_mul_overflow(lo, es, &lo) || __builtin_add_overflow(hi, 1, &hi) ||
+              __builtin_mul_overflow(hi, es, &hi);
+  if (overflow)
+    throw Error(std::string(name) + ": expected strides whose byte extent fits in int64, got shape " +
+                shape_str(t.shape()) + " with strides " + shape_str(t.strides()));
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data());
+  return {base + static_cast<std::uintptr_t>(lo), base + static_cast<std::uintptr_t>(hi), false};
 }
 void check_no_overlap(const TensorView& out, const char* oname, const TensorView& in, const char* iname) {
-  const Span a = span_of(out), b = span_of(in);
-  if (a.lo && b.lo && a.lo < b.hi && b.lo < a.hi)
+  const Span a = span_of(out, oname), b = span_of(in, iname);
+  if (!a.empty && !b.empty && a.lo < b.hi && b.lo < a.hi)
     throw Error(std::string(oname) + ": expected memory disjoint from " + iname + ", got " +
                 std::to_string(std::min(a.hi, b.hi) - std::max(a.lo, b.lo)) + " overlapping bytes");
 }
@@ -119,13 +131,6 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   if (p.D < 1 && !params.scale)
     throw Error("q: expected D >= 1 for the default scale 1/sqrt(D), got D = " + s(p.D));
 
-  for (const auto* in : {&q, &k, &v}) {
-    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
-    check_no_overlap(out, "out", *in, n);
-    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
-    if (probs) check_no_overlap(*probs, "probs", *in, n);
-  }
-
   p.q = {q.data(), q.dtype(), q.stride(0), q.stride(1), q.stride(2)};
   p.k = {k.data(), k.dtype(), k.stride(0), k.stride(1), k.stride(2)};
   p.v = {v.data(), v.dtype(), v.stride(0), v.stride(1), v.stride(2)};
@@ -155,6 +160,14 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     check_no_overlap(*probs, "probs", out, "out");
     if (softmax_lse) check_no_overlap(*probs, "probs", *softmax_lse, "softmax_lse");
     p.probs = lower_out(pr);
+  }
+
+  // After the shape checks above, so that every extent computed here is of a validated shape.
+  for (const auto* in : {&q, &k, &v}) {
+    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
+    check_no_overlap(out, "out", *in, n);
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
+    if (probs) check_no_overlap(*probs, "probs", *in, n);
   }
 
   // Scalars.
