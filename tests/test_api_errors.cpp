@@ -238,6 +238,16 @@ TEST(ApiErrors, OutputsOverlappingInputs) {
   }
 }
 
+TEST(ApiErrors, StridesBeyondInt64) {
+  Call c;
+  const std::int64_t huge = std::int64_t(1) << 62;
+  c.out = TensorView(c.ob.data(), DType::f32, {2, 4, 3, 6}, {huge, 18, 6, 1});
+  EXPECT_TRUE(c.refused({"out: expected strides whose byte extent fits in int64", "[4611686018427387904,18,6,1]"}));
+  Call d;
+  d.v = TensorView(d.vb.data(), DType::f32, {2, 2, 5, 6}, {-huge, 30, 6, 1});
+  EXPECT_TRUE(d.refused({"v: expected strides whose byte extent fits in int64"}));
+}
+
 TEST(ApiErrors, BroadcastOutputs) {
   Call c;
   c.lse = TensorView(c.lb.data(), DType::f32, {2, 4, 3}, {0, 3, 1});
@@ -393,6 +403,16 @@ TEST(TensorErrors, NegativeDimensions) {
   float x = 0;
   EXPECT_TRUE(throws_with([&] { TensorView(&x, DType::f32, {2, -3}); }, {"tensor: expected non-negative dimensions, got [2,-3]"}));
   EXPECT_TRUE(throws_with([&] { Tensor(DType::f32, {-1}); }, {"tensor: expected non-negative dimensions, got [-1]"}));
+}
+
+TEST(TensorErrors, ContiguousStridesOverflow) {
+  float x = 0;
+  const std::int64_t big = std::int64_t(1) << 40;
+  EXPECT_TRUE(throws_with([&] { TensorView(&x, DType::f32, {big, big, big, 1}); },
+                          {"tensor: expected a shape whose contiguous strides fit in int64, got [1099511627776,1099511627776,1099511627776,1]"}));
+  // The element count may overflow while every stride fits: the view exists and attention()
+  // refuses it (ApiErrors.ElementCountOverflow).
+  EXPECT_EQ(TensorView(&x, DType::f32, {big, big, 1, 8}).strides(), (Shape{big * 8, 8, 8, 1}));
 }
 
 TEST(TensorErrors, StridesOfTheWrongRank) {

@@ -844,6 +844,24 @@ TEST(Reference, NaNInOneQueryRowStaysInThatRow) {
   }
 }
 
+TEST(Reference, AllScoresMinusInfIsAnEmptyRow) {
+  // q = [1], k = [-inf, -inf]: both admissible scores are -inf.
+  Case c;
+  c.Sk = 2;
+  c.D = 1;
+  c.Dv = 1;
+  c.q = {1};
+  c.k = {-kInf, -kInf};
+  c.v = {3, 4};
+  for (Impl impl : kImpls) {
+    const Result r = run(c, impl, options_for(impl));
+    EXPECT_EQ(r.o[0], 0.0) << name_of(impl);
+    EXPECT_EQ(r.lse[0], -kInf) << name_of(impl);
+    EXPECT_EQ(r.probs[0], 0.0);
+    EXPECT_EQ(r.probs[1], 0.0);
+  }
+}
+
 TEST(Reference, NaNInAMaskedKeyDoesNotLeakThroughABoolMask) {
   // An explicit mask is not required to skip reading, but the reference does skip, and a row
   // whose mask excludes the poisoned key must be unaffected.
