@@ -272,6 +272,7 @@ Tensor to_contiguous(const TensorView& t, DType to) {
 }
 
 void write_npy(const std::filesystem::path& path, const TensorView& t) {
+  checked_numel(t.shape(), dtype_size(t.dtype()), path.string());
   const char* descr = nullptr;
   switch (t.dtype()) {
     case DType::f32: descr = "<f4"; break;

@@ -81,8 +81,12 @@ TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
 }
 
 std::int64_t TensorView::numel() const noexcept {
+  // Saturates instead of overflowing; checked_numel() is the checked form.
+  for (auto d : shape_)
+    if (d == 0) return 0;
   std::int64_t n = 1;
-  for (auto d : shape_) n *= d;
+  for (auto d : shape_)
+    if (__builtin_mul_overflow(n, d, &n)) return std::numeric_limits<std::int64_t>::max();
   return n;
 }
 
@@ -94,7 +98,7 @@ bool TensorView::is_contiguous() const noexcept {
   std::int64_t s = 1;
   for (std::size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] != 1 && strides_[i] != s) return false;
-    s *= shape_[i];
+    if (__builtin_mul_overflow(s, shape_[i], &s)) return false;  // no such buffer can exist
   }
   return true;
 }
