@@ -214,6 +214,19 @@ TEST(Npy, WriteRefusesBfloat16) {
   EXPECT_FALSE(fs::exists(tmp() / "bf.npy"));
 }
 
+TEST(Npy, WriteRefusesAnOverflowingShape) {
+  float x = 0;
+  const std::int64_t big = std::int64_t(1) << 40;
+  try {
+    write_npy(tmp() / "huge.npy", TensorView(&x, DType::f32, {big, big, 1, 8}));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("huge.npy: element count of shape [1099511627776,1099511627776,1,8] overflows"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(fs::exists(tmp() / "huge.npy"));
+}
+
 TEST(Npy, WriteIsAtomic) {
   float x[2] = {1, 2};
   const fs::path dir = tmp() / "no" / "such" / "dir";

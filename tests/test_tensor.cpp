@@ -192,6 +192,14 @@ TEST(Tensor, OwningTensorIsAlignedAndZeroed) {
   EXPECT_EQ(v.shape(), (Shape{3, 5}));
 }
 
+TEST(Tensor, NumelSaturatesInsteadOfOverflowing) {
+  float x = 0;
+  const std::int64_t big = std::int64_t(1) << 40;
+  EXPECT_EQ(TensorView(&x, DType::f32, {big, big, 1, 8}).numel(), std::numeric_limits<std::int64_t>::max());
+  EXPECT_EQ(TensorView(&x, DType::f32, {big, big, 0, 8}).numel(), 0);
+  EXPECT_FALSE(TensorView(&x, DType::f32, {big, big, 1, 8}).is_contiguous());
+}
+
 TEST(Tensor, CheckedNumel) {
   EXPECT_EQ(checked_numel({2, 3, 4}, 4, "x"), 24);
   EXPECT_EQ(checked_numel({}, 4, "x"), 1);
