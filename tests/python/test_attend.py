@@ -284,6 +284,24 @@ def nan_isolation(tmp):
               f"{o2}")
 
 
+def files_numpy_writes(tmp):
+    """Fortran-order and big-endian .npy files (both valid NumPy output) give the same result."""
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 4, 3)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 6, 3)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 6, 5)).astype(np.float32)
+    p = {n: os.path.join(tmp, f"disk_{n}.npy") for n in ("q", "k", "v", "o")}
+    np.save(p["q"], np.asfortranarray(q))
+    np.save(p["k"], k.astype(">f4"))
+    np.save(p["v"], np.asfortranarray(v.astype(">f4")))
+    rc, _, err = run(["attend", "--q", p["q"], "--k", p["k"], "--v", p["v"], "--out", p["o"], "--causal"])
+    check("fortran/big-endian inputs: runs", rc == 0, err)
+    if rc == 0:
+        want, _, _ = attention_ref(q, k, v, causal=True)
+        err_o = np.abs(np.load(p["o"]).astype(np.float64) - want).max()
+        check("fortran/big-endian inputs: O", err_o <= O_ATOL, f"max abs err {err_o:.3g}")
+
+
 # ---- malformed inputs --------------------------------------------------------------------------
 
 def error_cases(tmp):
@@ -479,6 +497,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="qkv_attend_") as tmp:
         random_cases(tmp)
         nan_isolation(tmp)
+        files_numpy_writes(tmp)
         error_cases(tmp)
     demo_and_info()
     print(f"python attend: {passed} passed, {failed} failed")
