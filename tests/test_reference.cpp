@@ -20,7 +20,7 @@ namespace {
 
 std::string name_of(Impl impl) { return impl_name(impl); }
 
-// Q = K = [[1,0],[0,1]], V = [[1,2],[3,4]]: the 2x2 case of issue 2.
+// Q = K = [[1,0],[0,1]], V = [[1,2],[3,4]]: the 2x2 case of docs/semantics.md.
 Case identity_case() {
   Case c;
   c.Sq = c.Sk = 2;
@@ -44,7 +44,7 @@ Case equal_scores_case(std::int64_t Sq, std::int64_t Sk) {
   return c;
 }
 
-// --- the cases of issue 2, each with its right value -------------------------------------------
+// --- the specified cases, each with its right value ---------------------------------------------
 
 TEST(Reference, FullyMaskedRowGivesZeroAndMinusInfLse) {
   Case c = identity_case();
