@@ -50,6 +50,16 @@ std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) {
 }
 
 void run_attend(const AttendOptions& o) {
+  if (o.threads < 0)
+    throw Error("--threads: expected an integer >= 0 (0 = all cores), got " + std::to_string(o.threads));
+  // Each output is renamed into place: two flags naming one path would silently keep only one.
+  const std::pair<const char*, const std::string*> outs[] = {{"--out", &o.out}, {"--lse", &o.lse}, {"--probs", &o.probs}};
+  for (std::size_t a = 0; a < 3; ++a)
+    for (std::size_t b = a + 1; b < 3; ++b)
+      if (!outs[a].second->empty() && !outs[b].second->empty() &&
+          std::filesystem::weakly_canonical(*outs[a].second) == std::filesystem::weakly_canonical(*outs[b].second))
+        throw Error(std::string(outs[b].first) + ": expected a path different from " + outs[a].first + ", got '" +
+                    *outs[b].second + "' for both");
   const bool bshd = o.layout == "bshd";
   auto to_bhsd = [&](const TensorView& t) { return bshd ? t.permute({0, 2, 1, 3}) : t; };
 
@@ -86,7 +96,13 @@ void run_attend(const AttendOptions& o) {
     probs.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
     probs_view = probs->view();
   }
-  attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
+  try {
+    attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
+  } catch (const Error& e) {
+    // The library speaks of [B,H,S,X] views; say so when the files hold [B,S,H,X].
+    if (bshd) throw Error(std::string(e.what()) + " (--layout bshd: shapes shown as [B,H,S,X] views of the [B,S,H,X] files)");
+    throw;
+  }
 
   // Each file is written atomically; if a later one fails, the earlier ones are removed too.
   std::vector<std::string> written;
@@ -126,7 +142,7 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--kv-lens", o->kv_lens, "int32/int64 [B] key lengths");
   cmd->add_option("--softcap", o->softcap, "softcap c > 0: score = c*tanh(score/c)");
   cmd->add_flag("--reference", o->reference, "run the float64 reference kernel");
-  cmd->add_option("--threads", o->threads, "threads (0 = all)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", o->threads, "threads (0 = all)");
   cmd->callback([o] { run_attend(*o); });
 }
 

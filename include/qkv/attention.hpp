@@ -11,7 +11,8 @@
 ///   q   [B, Hq,  Sq, D]     float32 | float64 | float16 | bfloat16
 ///   k   [B, Hkv, Sk, D]     same dtype as q
 ///   v   [B, Hkv, Sk, Dv]    same dtype as q
-///   out [B, Hq,  Sq, Dv]    float32 | float64 | bfloat16 (written)
+///   out [B, Hq,  Sq, Dv]    float32 | float64 | float16 | bfloat16 (written, each element
+///                           rounded once to nearest even)
 ///   softmax_lse [B, Hq, Sq] float32 | float64 (optional, written): natural log of the sum of
 ///                           exp(score) over the admissible keys of each row
 ///   probs [B, Hq, Sq, Sk]   float32 | float64 (optional, written): the attention weights,
@@ -81,7 +82,9 @@ struct AttentionParams {
 ///   a rank other than 4, a non-contiguous last dimension, mismatched B/D/Sk/Dv, Hq % Hkv != 0,
 ///   unsupported or mismatched dtypes, a mask not broadcastable to [B,Hq,Sq,Sk], key lengths
 ///   out of [0, Sk], a non-finite scale, a negative softcap, a window side < -1, an output
-///   overlapping an input, or a forced kernel that cannot run this call.
+///   overlapping an input (q, k, v, mask) or another output, an output with a zero stride on
+///   an axis of size > 1, a null data pointer for a non-empty operand, a shape or stride extent
+///   that overflows int64, num_threads < 0, or a forced kernel that cannot run this call.
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const AttentionParams& params = {},
                const std::optional<TensorView>& softmax_lse = std::nullopt,

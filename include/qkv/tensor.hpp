@@ -39,7 +39,8 @@ class TensorView {
 public:
   TensorView() = default;
   /// @param strides empty means C-contiguous (row-major) strides for `shape`.
-  /// @throws qkv::Error if shape and strides differ in rank or a dimension is negative.
+  /// @throws qkv::Error if shape and strides differ in rank, a dimension is negative, or the
+  /// contiguous strides of `shape` overflow int64.
   TensorView(void* data, DType dtype, Shape shape, Shape strides = {});
 
   void* data() const noexcept { return data_; }
@@ -50,6 +51,7 @@ public:
   const Shape& strides() const noexcept { return strides_; }
   std::int64_t size(int axis) const { return shape_.at(static_cast<std::size_t>(axis)); }
   std::int64_t stride(int axis) const { return strides_.at(static_cast<std::size_t>(axis)); }
+  /// Number of elements; INT64_MAX if that overflows (checked_numel() throws instead).
   std::int64_t numel() const noexcept;
   bool empty() const noexcept { return data_ == nullptr && shape_.empty(); }
   /// True when the strides are the C-contiguous strides of the shape.
@@ -65,7 +67,8 @@ private:
   Shape strides_;
 };
 
-/// C-contiguous strides of a shape.
+/// C-contiguous strides of a shape (size-0 axes count as 1).
+/// @throws qkv::Error if a stride overflows int64.
 Shape contiguous_strides(const Shape& shape);
 
 /// An owning, C-contiguous tensor whose buffer is 64-byte aligned and zero-initialised.

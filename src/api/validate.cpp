@@ -1,7 +1,9 @@
 // Every check of an attention call happens here, once; kernels trust the lowered Problem.
 #include "api/validate.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "qkv/error.hpp"
@@ -13,16 +15,32 @@ std::string s(std::int64_t x) { return std::to_string(x); }
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
 
+// A null data pointer is only acceptable for a view of no elements. checked_numel() first:
+// TensorView::numel() of an overflowing shape would itself overflow.
+void check_data(const TensorView& t, const char* name) {
+  const std::int64_t n = checked_numel(t.shape(), dtype_size(t.dtype()), name);
+  if (t.data() == nullptr && n > 0)
+    throw Error(std::string(name) + ": expected a data pointer for shape " + shape_str(t.shape()) +
+                ", got null");
+}
+
+// Two elements of an output must not share memory: a zero stride on an axis of size > 1 (a
+// broadcast view) would make every kernel write one element many times, racing across threads.
+void check_distinct(const TensorView& t, const char* name) {
+  for (int a = 0; a < t.rank(); ++a)
+    if (t.size(a) > 1 && t.stride(a) == 0)
+      throw Error(std::string(name) + ": expected an output with distinct elements (no zero stride on an axis of size > 1), got shape " +
+                  shape_str(t.shape()) + " with strides " + shape_str(t.strides()));
+}
+
 void check_rank4(const TensorView& t, const char* name, const char* axes) {
   if (t.rank() != 4)
     throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
                 s(t.rank()) + " with shape " + shape_str(t.shape()));
-  if (t.data() == nullptr && t.numel() > 0)
-    throw Error(std::string(name) + ": data pointer is null for shape " + shape_str(t.shape()));
+  check_data(t, name);
   if (t.size(3) > 1 && t.stride(3) != 1)
     throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
-                s(t.stride(3)));
-  checked_numel(t.shape(), dtype_size(t.dtype()), name);
+                s(t.stride(3)) + " in shape " + shape_str(t.shape()));
 }
 
 void expect_dim(const TensorView& t, const char* name, const char* axes, int axis,
@@ -32,23 +50,35 @@ void expect_dim(const TensorView& t, const char* name, const char* axes, int axi
                 s(want) + "), got " + letter + " = " + s(t.size(axis)) + " in shape " + shape_str(t.shape()));
 }
 
-// Byte range [lo, hi) spanned by a view (empty views span nothing).
-struct Span { const char* lo = nullptr; const char* hi = nullptr; };
-Span span_of(const TensorView& t) {
-  if (t.numel() == 0 || !t.data()) return {};
-  std::int64_t lo = 0, hi = 0;
-  for (int a = 0; a < t.rank(); ++a) {
-    const std::int64_t ext = (t.size(a) - 1) * t.stride(a);
-    (ext < 0 ? lo : hi) += ext;
-  }
-  const auto* base = static_cast<const char*>(t.data());
+// Byte range [lo, hi) spanned by a view (empty views span nothing). Addresses as integers:
+// the range may reach outside what a pointer may point to when strides are negative.
+struct Span { std::uintptr_t lo = 0, hi = 0; bool empty = true; };
+Span span_of(const TensorView& t, const char* name) {
+  if (!t.data()) return {};
+  for (auto d : t.shape())
+    if (d == 0) return {};
   const auto es = static_cast<std::int64_t>(dtype_size(t.dtype()));
-  return {base + lo * es, base + (hi + 1) * es};
+  std::int64_t lo = 0, hi = 0;
+  bool overflow = false;
+  for (int a = 0; a < t.rank(); ++a) {
+    std::int64_t ext = 0;
+    overflow |= __builtin_mul_overflow(t.size(a) - 1, t.stride(a), &ext);
+    std::int64_t& side = ext < 0 ? lo : hi;
+    overflow |= __builtin_add_overflow(side, ext, &side);
+  }
+  overflow |= __builtin_mul_overflow(lo, es, &lo) || __builtin_add_overflow(hi, 1, &hi) ||
+              __builtin_mul_overflow(hi, es, &hi);
+  if (overflow)
+    throw Error(std::string(name) + ": expected strides whose byte extent fits in int64, got shape " +
+                shape_str(t.shape()) + " with strides " + shape_str(t.strides()));
+  const auto base = reinterpret_cast<std::uintptr_t>(t.data());
+  return {base + static_cast<std::uintptr_t>(lo), base + static_cast<std::uintptr_t>(hi), false};
 }
 void check_no_overlap(const TensorView& out, const char* oname, const TensorView& in, const char* iname) {
-  const Span a = span_of(out), b = span_of(in);
-  if (a.lo && b.lo && a.lo < b.hi && b.lo < a.hi)
-    throw Error(std::string(oname) + ": output memory overlaps input " + iname);
+  const Span a = span_of(out, oname), b = span_of(in, iname);
+  if (!a.empty && !b.empty && a.lo < b.hi && b.lo < a.hi)
+    throw Error(std::string(oname) + ": expected memory disjoint from " + iname + ", got " +
+                std::to_string(std::min(a.hi, b.hi) - std::max(a.lo, b.lo)) + " overlapping bytes");
 }
 
 OutOperand lower_out(const TensorView& t) {
@@ -72,6 +102,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   check_rank4(k, "k", "[B,Hkv,Sk,D]");
   check_rank4(v, "v", "[B,Hkv,Sk,Dv]");
   check_rank4(out, "out", "[B,Hq,Sq,Dv]");
+  check_distinct(out, "out");
 
   if (!is_float(q.dtype()))
     throw Error("q: expected dtype float32, float64, float16 or bfloat16, got " + std::string(dtype_name(q.dtype())));
@@ -100,13 +131,6 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   if (p.D < 1 && !params.scale)
     throw Error("q: expected D >= 1 for the default scale 1/sqrt(D), got D = " + s(p.D));
 
-  for (const auto* in : {&q, &k, &v}) {
-    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
-    check_no_overlap(out, "out", *in, n);
-    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
-    if (probs) check_no_overlap(*probs, "probs", *in, n);
-  }
-
   p.q = {q.data(), q.dtype(), q.stride(0), q.stride(1), q.stride(2)};
   p.k = {k.data(), k.dtype(), k.stride(0), k.stride(1), k.stride(2)};
   p.v = {v.data(), v.dtype(), v.stride(0), v.stride(1), v.stride(2)};
@@ -119,7 +143,8 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(l.shape()));
     if (l.dtype() != DType::f32 && l.dtype() != DType::f64)
       throw Error("softmax_lse: expected dtype float32 or float64, got " + std::string(dtype_name(l.dtype())));
-    if (!l.data() && l.numel() > 0) throw Error("softmax_lse: data pointer is null");
+    check_data(l, "softmax_lse");
+    check_distinct(l, "softmax_lse");
     check_no_overlap(*softmax_lse, "softmax_lse", out, "out");
     p.lse = lower_out(l);
   }
@@ -130,11 +155,19 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(pr.shape()));
     if (pr.dtype() != DType::f32 && pr.dtype() != DType::f64)
       throw Error("probs: expected dtype float32 or float64, got " + std::string(dtype_name(pr.dtype())));
-    if (!pr.data() && pr.numel() > 0) throw Error("probs: data pointer is null");
-    checked_numel(pr.shape(), dtype_size(pr.dtype()), "probs");
+    check_data(pr, "probs");
+    check_distinct(pr, "probs");
     check_no_overlap(*probs, "probs", out, "out");
     if (softmax_lse) check_no_overlap(*probs, "probs", *softmax_lse, "softmax_lse");
     p.probs = lower_out(pr);
+  }
+
+  // After the shape checks above, so that every extent computed here is of a validated shape.
+  for (const auto* in : {&q, &k, &v}) {
+    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
+    check_no_overlap(out, "out", *in, n);
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
+    if (probs) check_no_overlap(*probs, "probs", *in, n);
   }
 
   // Scalars.
@@ -168,7 +201,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     if (m.dtype() != DType::b8 && m.dtype() != DType::f32 && m.dtype() != DType::f64)
       throw Error("mask: expected dtype bool (true = attend) or float32/float64 (additive), got " +
                   std::string(dtype_name(m.dtype())));
-    if (!m.data() && m.numel() > 0) throw Error("mask: data pointer is null");
+    check_data(m, "mask");
     std::int64_t st[4] = {0, 0, 0, 0};
     const int off = 4 - m.rank();
     for (int a = 0; a < m.rank(); ++a) {
@@ -178,6 +211,9 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                     shape_str(target));
       st[a + off] = m.size(a) == 1 ? 0 : m.stride(a);
     }
+    check_no_overlap(out, "out", m, "mask");
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", m, "mask");
+    if (probs) check_no_overlap(*probs, "probs", m, "mask");
     p.mask = {m.data(), m.dtype(), st[0], st[1], st[2], st[3]};
   }
 
@@ -187,7 +223,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
       throw Error("kv_lens: expected shape [B] = " + shape_str({p.B}) + ", got " + shape_str(l.shape()));
     if (l.dtype() != DType::i32 && l.dtype() != DType::i64)
       throw Error("kv_lens: expected dtype int32 or int64, got " + std::string(dtype_name(l.dtype())));
-    if (!l.data() && l.numel() > 0) throw Error("kv_lens: data pointer is null");
+    check_data(l, "kv_lens");
     p.kv_lens.resize(static_cast<std::size_t>(p.B));
     for (std::int64_t b = 0; b < p.B; ++b) {
       const std::int64_t off = b * l.stride(0);

@@ -4,6 +4,9 @@
 #include <cpuid.h>
 #endif
 
+#include <cstdlib>
+#include <string_view>
+
 namespace qkv::detail {
 namespace {
 
@@ -27,6 +30,7 @@ CpuFeatures detect() noexcept {
   unsigned max_leaf = __get_cpuid_max(0, nullptr);
   if (max_leaf >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
+    const unsigned max_subleaf = a;
     f.avx2 = (b >> 5) & 1u;
     if (zmm_os) {
       f.avx512f = (b >> 16) & 1u;
@@ -34,9 +38,11 @@ CpuFeatures detect() noexcept {
       f.avx512bw = (b >> 30) & 1u;
       f.avx512vl = (b >> 31) & 1u;
       f.avx512fp16 = (d >> 23) & 1u;
-      unsigned a1, b1, c1, d1;
-      __cpuid_count(7, 1, a1, b1, c1, d1);
-      f.avx512bf16 = (a1 >> 5) & 1u;
+      if (max_subleaf >= 1) {  // leaf 7 subleaf 1 exists only when subleaf 0 says so
+        unsigned a1, b1, c1, d1;
+        __cpuid_count(7, 1, a1, b1, c1, d1);
+        f.avx512bf16 = (a1 >> 5) & 1u;
+      }
     }
   }
 #endif
@@ -54,8 +60,18 @@ std::string CpuFeatures::to_string() const {
   return s.empty() ? "none" : s;
 }
 
+// QKV_ISA=avx512|avx2|scalar hides the features above that level, so that every kernel variant
+// this CPU can run is also testable on it. Any other value (or none) leaves detection as is.
+static CpuFeatures capped(CpuFeatures f, const char* isa) noexcept {
+  if (!isa) return f;
+  const std::string_view v(isa);
+  if (v == "avx2" || v == "scalar") f.avx512f = f.avx512bw = f.avx512dq = f.avx512vl = f.avx512bf16 = f.avx512fp16 = false;
+  if (v == "scalar") f.avx2 = f.fma = f.f16c = false;
+  return f;
+}
+
 const CpuFeatures& cpu_features() noexcept {
-  static const CpuFeatures f = detect();
+  static const CpuFeatures f = capped(detect(), std::getenv("QKV_ISA"));
   return f;
 }
 

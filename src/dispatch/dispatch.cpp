@@ -8,6 +8,16 @@
 namespace qkv::detail {
 namespace {
 
+const char* kind_name(KernelKind k) {
+  switch (k) {
+    case KernelKind::automatic: return "automatic";
+    case KernelKind::reference: return "reference";
+    case KernelKind::flash: return "flash";
+    case KernelKind::decode: return "decode";
+  }
+  return "?";
+}
+
 std::string reference_refuse(const Problem&, bool) { return {}; }
 std::string reference_describe() { return "float64 loops, always usable"; }
 
@@ -40,7 +50,12 @@ Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs) {
       c.explanation += std::string(k.name) + ": usable, lower priority\n";
     }
   }
-  if (!c.kernel) throw Error("kernel: the requested kernel is not compiled into this build");
+  if (!c.kernel) {
+    std::string names;
+    for (const KernelEntry& k : kRegistry) names += std::string(names.empty() ? "" : ", ") + k.name;
+    throw Error(std::string("kernel: expected a kernel compiled into this build (") + names + "), got '" +
+                kind_name(requested) + "'");
+  }
   return c;
 }
 

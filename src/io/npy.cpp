@@ -69,8 +69,9 @@ public:
       if (i_ >= s_.size() || s_[i_] < '0' || s_[i_] > '9') fail(name_, "header: expected an integer in 'shape'");
       std::int64_t v = 0;
       while (i_ < s_.size() && s_[i_] >= '0' && s_[i_] <= '9') {
-        if (v > (std::numeric_limits<std::int64_t>::max() - 9) / 10) fail(name_, "header: a dimension in 'shape' overflows int64");
-        v = v * 10 + (s_[i_++] - '0');
+        const int digit = s_[i_++] - '0';
+        if (v > (std::numeric_limits<std::int64_t>::max() - digit) / 10) fail(name_, "header: a dimension in 'shape' overflows int64");
+        v = v * 10 + digit;
       }
       if (i_ < s_.size() && s_[i_] == 'L') ++i_;  // Python 2 long suffix
       if (neg) fail(name_, "header: negative dimension -" + std::to_string(v) + " in 'shape'");
@@ -91,9 +92,12 @@ Header parse_header(const std::byte* bytes, std::size_t avail, std::uint64_t fil
   if (avail < 10) fail(name, "file is " + std::to_string(file_size) + " bytes, shorter than the 10-byte preamble");
   static const unsigned char magic[6] = {0x93, 'N', 'U', 'M', 'P', 'Y'};
   if (std::memcmp(bytes, magic, 6) != 0) fail(name, "bad magic (expected \\x93NUMPY)");
-  const auto major = static_cast<unsigned>(bytes[6]);
+  const auto major = static_cast<unsigned>(bytes[6]), minor = static_cast<unsigned>(bytes[7]);
   std::size_t hlen = 0, pre = 0;
-  if (major == 1) {
+  if (minor != 0) {
+    // numpy itself reads only 1.0, 2.0 and 3.0; another minor version is a format we do not know.
+    fail(name, "unsupported format version " + std::to_string(major) + "." + std::to_string(minor) + " (expected 1.0, 2.0 or 3.0)");
+  } else if (major == 1) {
     hlen = static_cast<std::size_t>(bytes[8]) | static_cast<std::size_t>(bytes[9]) << 8;
     pre = 10;
   } else if (major == 2 || major == 3) {
@@ -102,7 +106,7 @@ Header parse_header(const std::byte* bytes, std::size_t avail, std::uint64_t fil
     for (int b = 0; b < 4; ++b) hlen |= static_cast<std::size_t>(bytes[8 + b]) << (8 * b);
     pre = 12;
   } else {
-    fail(name, "unsupported format version " + std::to_string(major) + "." + std::to_string(static_cast<unsigned>(bytes[7])) + " (expected 1.0, 2.0 or 3.0)");
+    fail(name, "unsupported format version " + std::to_string(major) + "." + std::to_string(minor) + " (expected 1.0, 2.0 or 3.0)");
   }
   if (hlen > kMaxHeaderLen) fail(name, "header length " + std::to_string(hlen) + " exceeds the 1 MiB limit");
   if (pre + hlen > avail) fail(name, "truncated header (" + std::to_string(hlen) + " bytes declared, file has " + std::to_string(file_size) + ")");
@@ -268,6 +272,7 @@ Tensor to_contiguous(const TensorView& t, DType to) {
 }
 
 void write_npy(const std::filesystem::path& path, const TensorView& t) {
+  checked_numel(t.shape(), dtype_size(t.dtype()), path.string());
   const char* descr = nullptr;
   switch (t.dtype()) {
     case DType::f32: descr = "<f4"; break;

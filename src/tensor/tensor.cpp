@@ -62,7 +62,10 @@ Shape contiguous_strides(const Shape& shape) {
   std::int64_t s = 1;
   for (std::size_t i = shape.size(); i-- > 0;) {
     st[i] = s;
-    s *= std::max<std::int64_t>(shape[i], 1);
+    // The product past axis 0 is not a stride: skip it, so that a shape whose element count
+    // overflows still has strides (and can be refused by checked_numel with a clear message).
+    if (i > 0 && __builtin_mul_overflow(s, std::max<std::int64_t>(shape[i], 1), &s))
+      throw Error("tensor: expected a shape whose contiguous strides fit in int64, got " + shape_str(shape));
   }
   return st;
 }
@@ -73,21 +76,29 @@ TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
     if (d < 0) throw Error("tensor: expected non-negative dimensions, got " + shape_str(shape_));
   if (strides_.empty()) strides_ = contiguous_strides(shape_);
   if (strides_.size() != shape_.size())
-    throw Error("tensor: strides " + shape_str(strides_) + " do not match the rank of shape " +
-                shape_str(shape_));
+    throw Error("tensor: expected " + std::to_string(shape_.size()) + " strides (the rank of shape " +
+                shape_str(shape_) + "), got " + shape_str(strides_));
 }
 
 std::int64_t TensorView::numel() const noexcept {
+  // Saturates instead of overflowing; checked_numel() is the checked form.
+  for (auto d : shape_)
+    if (d == 0) return 0;
   std::int64_t n = 1;
-  for (auto d : shape_) n *= d;
+  for (auto d : shape_)
+    if (__builtin_mul_overflow(n, d, &n)) return std::numeric_limits<std::int64_t>::max();
   return n;
 }
 
 bool TensorView::is_contiguous() const noexcept {
+  // A view of no elements is trivially contiguous (contiguous_strides() gives such shapes
+  // strides computed with size-0 axes counted as 1, which the loop below would reject).
+  for (auto d : shape_)
+    if (d == 0) return true;
   std::int64_t s = 1;
   for (std::size_t i = shape_.size(); i-- > 0;) {
     if (shape_[i] != 1 && strides_[i] != s) return false;
-    s *= shape_[i];
+    if (__builtin_mul_overflow(s, shape_[i], &s)) return false;  // no such buffer can exist
   }
   return true;
 }
@@ -99,8 +110,10 @@ TensorView TensorView::permute(std::initializer_list<int> order) const {
   Shape sh, st;
   std::vector<bool> seen(shape_.size(), false);
   for (int a : order) {
-    if (a < 0 || a >= rank() || seen[static_cast<std::size_t>(a)])
-      throw Error("permute: axis " + std::to_string(a) + " is out of range or repeated");
+    if (a < 0 || a >= rank())
+      throw Error("permute: expected axes in [0, " + std::to_string(rank()) + "), got axis " + std::to_string(a));
+    if (seen[static_cast<std::size_t>(a)])
+      throw Error("permute: expected each axis once, got axis " + std::to_string(a) + " twice");
     seen[static_cast<std::size_t>(a)] = true;
     sh.push_back(shape_[static_cast<std::size_t>(a)]);
     st.push_back(strides_[static_cast<std::size_t>(a)]);
@@ -173,12 +186,25 @@ double load_as_double(const void* data, DType dtype, std::int64_t i) noexcept {
   return 0.0;
 }
 
+namespace {
+// float64 -> float32 rounded to odd: an inexact result is truncated toward zero and its last
+// bit set. Rounding that float32 to float16 or bfloat16 (nearest even) then equals rounding the
+// float64 directly, since float32 carries more than two extra bits; rounding to nearest twice
+// would not (1 + 2^-11 + 2^-40 would become the float16 midpoint 1 + 2^-11, then 1).
+float to_float_round_odd(double x) noexcept {
+  float f = static_cast<float>(x);
+  if (!std::isfinite(f) || static_cast<double>(f) == x) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  return std::bit_cast<float>(std::bit_cast<std::uint32_t>(f) | 1u);
+}
+}  // namespace
+
 void store_from_double(void* data, DType dtype, std::int64_t i, double x) noexcept {
   switch (dtype) {
     case DType::f32: static_cast<float*>(data)[i] = static_cast<float>(x); break;
     case DType::f64: static_cast<double*>(data)[i] = x; break;
-    case DType::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(static_cast<float>(x)); break;
-    case DType::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(static_cast<float>(x)); break;
+    case DType::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(to_float_round_odd(x)); break;
+    case DType::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(to_float_round_odd(x)); break;
     case DType::b8: static_cast<std::uint8_t*>(data)[i] = x != 0.0; break;
     case DType::i32: static_cast<std::int32_t*>(data)[i] = static_cast<std::int32_t>(x); break;
     case DType::i64: static_cast<std::int64_t*>(data)[i] = static_cast<std::int64_t>(x); break;
