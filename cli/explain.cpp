@@ -158,13 +158,17 @@ std::string token_label(const Tokenizer& tok, int id) {
   std::string out;
   for (const char c : tok.piece(id)) {
     const auto u = static_cast<unsigned char>(c);
-    if (c == ' ') out += "\xe2\x96\x81";
-    else if (c == '\n') out += "\\n";
-    else if (u < 0x20 || u == 0x7f) {
+    if (c == ' ') {
+      out += "\xe2\x96\x81";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (u < 0x20 || u == 0x7f) {
       char buf[8];
       std::snprintf(buf, sizeof buf, "<0x%02X>", u);
       out += buf;
-    } else out += c;
+    } else {
+      out += c;
+    }
   }
   return out;
 }
@@ -173,17 +177,26 @@ std::string token_label(const Tokenizer& tok, int id) {
 // attention on the q (after RoPE), k and v the model used.
 void run_model(const ExplainOptions& o) {
   // The model fixes q, k, v and the attention options: the flags that set them do not apply.
-  const std::pair<bool, const char*> conflicts[] = {
-      {!o.q.empty(), "--q"},           {!o.k.empty(), "--k"},
-      {!o.v.empty(), "--v"},           {!o.x.empty(), "--x"},
-      {!o.wq.empty(), "--wq"},         {!o.wk.empty(), "--wk"},
-      {!o.wv.empty(), "--wv"},         {!o.mask.empty(), "--mask"},
-      {!o.kv_lens.empty(), "--kv-lens"}, {!o.window.empty(), "--window"},
-      {o.scale.has_value(), "--scale"}, {o.softcap != 0.0, "--softcap"},
-      {o.layout != "bhsd", "--layout"}, {o.align != "bottom-right", "--align"},
-      {o.heads != 1, "--heads"},      {o.batch.has_value(), "--batch"},
-      {!o.labels.empty(), "--labels"}, {!o.labels_file.empty(), "--labels-file"},
-      {o.scaling, "--scaling"},       {!o.plots.empty(), "--plot"}};
+  const std::pair<bool, const char*> conflicts[] = {{!o.q.empty(), "--q"},
+                                                    {!o.k.empty(), "--k"},
+                                                    {!o.v.empty(), "--v"},
+                                                    {!o.x.empty(), "--x"},
+                                                    {!o.wq.empty(), "--wq"},
+                                                    {!o.wk.empty(), "--wk"},
+                                                    {!o.wv.empty(), "--wv"},
+                                                    {!o.mask.empty(), "--mask"},
+                                                    {!o.kv_lens.empty(), "--kv-lens"},
+                                                    {!o.window.empty(), "--window"},
+                                                    {o.scale.has_value(), "--scale"},
+                                                    {o.softcap != 0.0, "--softcap"},
+                                                    {o.layout != "bhsd", "--layout"},
+                                                    {o.align != "bottom-right", "--align"},
+                                                    {o.heads != 1, "--heads"},
+                                                    {o.batch.has_value(), "--batch"},
+                                                    {!o.labels.empty(), "--labels"},
+                                                    {!o.labels_file.empty(), "--labels-file"},
+                                                    {o.scaling, "--scaling"},
+                                                    {!o.plots.empty(), "--plot"}};
   for (const auto& [set, flag] : conflicts)
     if (set)
       throw Error(std::string(flag) +
@@ -209,8 +222,8 @@ void run_model(const ExplainOptions& o) {
   }
   const Llama2cConfig& c = weights.config;
   if (*o.layer < 0 || *o.layer >= c.n_layers)
-    throw Error("--layer: expected an index in [0, n_layers) = [0, " + std::to_string(c.n_layers) + "), got " +
-                std::to_string(*o.layer));
+    throw Error("--layer: expected an index in [0, n_layers) = [0, " + std::to_string(c.n_layers) +
+                "), got " + std::to_string(*o.layer));
   check_index(o.head, c.n_heads, "--head", "num_heads");
   const std::vector<int> tokens = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false);
   const auto S = static_cast<std::int64_t>(tokens.size());
@@ -236,7 +249,8 @@ void run_model(const ExplainOptions& o) {
     const Tensor w = model.attention_weights(*o.layer, i);
     for (std::int64_t h = 0; h < t.Hq; ++h)
       for (std::int64_t j = 0; j <= i; ++j)
-        err_w = std::max(err_w, std::fabs(w.data_as<const double>()[h * (i + 1) + j] - t.weights[t.at(0, h, i, j)]));
+        err_w = std::max(err_w,
+                         std::fabs(w.data_as<const double>()[h * (i + 1) + j] - t.weights[t.at(0, h, i, j)]));
   }
   Tensor out(DType::f32, {1, t.Hq, S, t.Dv});
   attention(la.q, la.k, la.v, out, la.params);
@@ -260,19 +274,22 @@ void run_model(const ExplainOptions& o) {
     ho.title = "layer " + std::to_string(*o.layer) + " attention weights: \"" + o.prompt + "\"";
     for (std::int64_t h = 0; h < t.Hq; ++h)
       ho.panel_titles.push_back("head " + std::to_string(h) + " (kv " + std::to_string(t.kv_head(h)) + ")");
-    outputs.write(path, [&] { explain::write_heatmap(path, explain::head_weights(t, 0), labels, labels, ho); });
+    outputs.write(path,
+                  [&] { explain::write_heatmap(path, explain::head_weights(t, 0), labels, labels, ho); });
   }
 
   std::printf("qkv explain: %s, layer %d of %d: Hq %" PRId64 ", Hkv %" PRId64 ", S %" PRId64
               " tokens (BOS included), D %" PRId64 "\n",
-              std::filesystem::path(model_path).filename().string().c_str(), *o.layer, c.n_layers, t.Hq, t.Hkv, S,
-              t.D);
+              std::filesystem::path(model_path).filename().string().c_str(), *o.layer, c.n_layers, t.Hq,
+              t.Hkv, S, t.D);
   std::printf("tokens:");
-  for (std::int64_t j = 0; j < S; ++j) std::printf(" %" PRId64 " %s%s", j, labels[static_cast<std::size_t>(j)].c_str(), j + 1 < S ? "," : "\n");
+  for (std::int64_t j = 0; j < S; ++j)
+    std::printf(" %" PRId64 " %s%s", j, labels[static_cast<std::size_t>(j)].c_str(), j + 1 < S ? "," : "\n");
   std::printf("q after RoPE, k and v from the KV cache; causal; scale %.6g (1/sqrt(D))\n", t.scale);
-  std::printf("check: weights vs the model's attention weights (Llama::attention_weights), all positions: "
-              "max |diff| = %.2e %s\n",
-              err_w, err_w <= kTolWeights ? "OK" : "MISMATCH");
+  std::printf(
+      "check: weights vs the model's attention weights (Llama::attention_weights), all positions: "
+      "max |diff| = %.2e %s\n",
+      err_w, err_w <= kTolWeights ? "OK" : "MISMATCH");
   std::printf("check: z vs qkv::attention on the layer's float32 q, k, v: max |diff| = %.2e %s\n", err_o,
               err_o <= kTolOutput ? "OK" : "MISMATCH");
   std::printf(
@@ -287,7 +304,8 @@ void run_model(const ExplainOptions& o) {
 void run_explain(const ExplainOptions& o) {
   if (o.model_given || o.prompt_given) return run_model(o);
   if (o.scaling) return run_scaling(o);
-  if (!o.plots.empty()) throw Error("--plot: only with --scaling (attention weights are drawn with --heatmap)");
+  if (!o.plots.empty())
+    throw Error("--plot: only with --scaling (attention weights are drawn with --heatmap)");
   const bool from_x = !o.x.empty() || !o.wq.empty() || !o.wk.empty() || !o.wv.empty();
   const bool from_qkv = !o.q.empty() || !o.k.empty() || !o.v.empty();
   if (from_x && from_qkv) throw Error("--x: give either --q/--k/--v or --x/--wq/--wk/--wv, not both");
@@ -381,7 +399,8 @@ void run_explain(const ExplainOptions& o) {
       w = TensorView(static_cast<double*>(w.data()) + *o.head * t.Sq * t.Sk, DType::f64, {1, t.Sq, t.Sk});
       ho.panel_titles = {"head " + std::to_string(*o.head)};
     }
-    outputs.write(path, [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
+    outputs.write(path,
+                  [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
   }
 
   std::printf("qkv explain: B %" PRId64 ", Hq %" PRId64 ", Hkv %" PRId64 ", Sq %" PRId64 ", Sk %" PRId64
@@ -439,16 +458,18 @@ void add_explain(CLI::App& app) {
   cmd->add_option("--out-dir", o->out_dir,
                   "write scores.npy, scaled.npy, weights.npy [B,Hq,Sq,Sk] (float64, excluded: -inf / 0) and "
                   "output.npy (float64, in the input layout); with --x also q.npy, k.npy, v.npy (bhsd)");
-  cmd->add_option("--heatmap", o->heatmaps,
-                  "attention-weight heatmap(s) of all heads (with --model: all heads of the layer): FILE.png, .svg "
-                  "or .html");
+  cmd->add_option(
+      "--heatmap", o->heatmaps,
+      "attention-weight heatmap(s) of all heads (with --model: all heads of the layer): FILE.png, .svg "
+      "or .html");
   auto* model_opt =
       cmd->add_option("--model", o->model,
                       "a llama2.c checkpoint: explain one layer of it run on --prompt (default, also when "
                       "--model is given without a value: " +
                           default_model_path().string() + ")")
           ->expected(0, 1);
-  auto* prompt_opt = cmd->add_option("--prompt", o->prompt, "with --model: the text to run (BOS and a leading space are added)");
+  auto* prompt_opt = cmd->add_option("--prompt", o->prompt,
+                                     "with --model: the text to run (BOS and a leading space are added)");
   cmd->add_option("--tokenizer", o->tokenizer, "with --model: llama2.c tokenizer.bin")->capture_default_str();
   cmd->add_option("--layer", o->layer, "with --model: the layer whose attention is traced (0 = first)");
   cmd->add_flag("--scaling", o->scaling, "measure the scaling argument on random N(0,1) vectors");

@@ -87,7 +87,8 @@ TEST(ExplainModel, TraceEqualsTheModelsAttentionAtEveryLayerAndPosition) {
       const Tensor w = model.attention_weights(layer, i);
       for (std::int64_t h = 0; h < t.Hq; ++h) {
         for (std::int64_t j = 0; j <= i; ++j)
-          err_w = std::max(err_w, std::fabs(w.data_as<const double>()[h * (i + 1) + j] - t.weights[t.at(0, h, i, j)]));
+          err_w = std::max(
+              err_w, std::fabs(w.data_as<const double>()[h * (i + 1) + j] - t.weights[t.at(0, h, i, j)]));
         for (std::int64_t j = i + 1; j < S; ++j) {
           ASSERT_EQ(t.weights[t.at(0, h, i, j)], 0.0);
           ASSERT_EQ(t.status[t.at(0, h, i, j)], explain::KeyStatus::outside_window);

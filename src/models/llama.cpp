@@ -245,8 +245,10 @@ Llama::LayerAttention Llama::layer_attention(int layer) const {
   const std::int64_t S = impl_->length, Hq = impl_->Hq, Hkv = impl_->Hkv, D = impl_->D;
   LayerAttention a;
   a.q = TensorView(qs.data(), DType::f32, {1, S, Hq, D}).permute({0, 2, 1, 3});
-  a.k = TensorView(ks.data(), DType::f32, {1, Hkv, S, D}, {Hkv * ks.stride(0), ks.stride(0), ks.stride(1), 1});
-  a.v = TensorView(vs.data(), DType::f32, {1, Hkv, S, D}, {Hkv * vs.stride(0), vs.stride(0), vs.stride(1), 1});
+  a.k =
+      TensorView(ks.data(), DType::f32, {1, Hkv, S, D}, {Hkv * ks.stride(0), ks.stride(0), ks.stride(1), 1});
+  a.v =
+      TensorView(vs.data(), DType::f32, {1, Hkv, S, D}, {Hkv * vs.stride(0), vs.stride(0), vs.stride(1), 1});
   // The params of forward(): causal, default scale (kernel choice does not change the semantics).
   a.params.causal = true;
   return a;
