@@ -1,19 +1,25 @@
-// `qkv explain`: the steps of attention on given Q/K/V (or X and W^Q, W^K, W^V), printed per
-// query row with token labels, written as .npy arrays and heatmaps; and `--scaling`, the
-// measured argument for the 1/sqrt(d_k) scale.
+// `qkv explain`: the steps of attention on given Q/K/V (or X and W^Q, W^K, W^V, or one layer of
+// a llama2.c model run on a prompt), printed per query row with token labels, written as .npy
+// arrays and heatmaps; and `--scaling`, the measured argument for the 1/sqrt(d_k) scale.
 #include "qkv/explain.hpp"
 
+#include <algorithm>
 #include <cinttypes>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "commands.hpp"
+#include "models.hpp"
 #include "qkv/error.hpp"
+#include "qkv/llama.hpp"
 #include "qkv/npy.hpp"
+#include "qkv/tokenizer.hpp"
 
 namespace qkv::cli {
 namespace {
@@ -21,6 +27,9 @@ namespace {
 struct ExplainOptions {
   std::string q, k, v, x, wq, wk, wv, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
   std::string labels, labels_file, out_dir;
+  std::string model, tokenizer = default_tokenizer_path().string(), prompt;
+  bool model_given = false, prompt_given = false;
+  std::optional<int> layer;
   std::vector<std::string> heatmaps, plots;
   std::optional<double> scale;
   double softcap = 0.0;
@@ -96,9 +105,207 @@ void run_scaling(const ExplainOptions& o) {
   for (const auto& p : o.plots) std::printf("wrote %s\n", p.c_str());
 }
 
+// Writes output files one by one (each atomic); on a failure removes the ones already written,
+// so that an error leaves no partial set behind.
+class Outputs {
+ public:
+  template <class F>
+  void write(const std::filesystem::path& path, F&& f) {
+    try {
+      f();
+      written_.push_back(path);
+    } catch (...) {
+      std::error_code ec;
+      for (const auto& w : written_) std::filesystem::remove(w, ec);
+      throw;
+    }
+  }
+  void npy_files(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& files) {
+    const std::filesystem::path dir(out_dir);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw Error("--out-dir: cannot create '" + out_dir + "': " + ec.message());
+    for (const auto& [name, view] : files) write(dir / name, [&] { write_npy(dir / name, view); });
+  }
+  void print() const {
+    for (const auto& w : written_) std::printf("wrote %s\n", w.string().c_str());
+  }
+
+ private:
+  std::vector<std::filesystem::path> written_;
+};
+
+void print_rows(const explain::Trace& t, const ExplainOptions& o, const std::vector<std::string>& labels) {
+  for (std::int64_t b = 0; b < t.B; ++b) {
+    if (o.batch && b != *o.batch) continue;
+    for (std::int64_t h = 0; h < t.Hq; ++h) {
+      if (o.head && h != *o.head) continue;
+      for (std::int64_t i = 0; i < t.Sq; ++i) {
+        if (o.query && i != *o.query) continue;
+        std::fputs(explain::format_row(t, b, h, i, labels, o.top).c_str(), stdout);
+        std::fputs("\n", stdout);
+      }
+    }
+  }
+}
+
+// A prompt token as a label: BOS as <s>; the piece's spaces as U+2581, SentencePiece's own word
+// mark (the PNG font draws it as '_'), so that " Lily" and "Lily" stay apart; newlines and
+// other control bytes escaped.
+std::string token_label(const Tokenizer& tok, int id) {
+  if (id == Tokenizer::bos_id) return "<s>";
+  if (id == Tokenizer::eos_id) return "</s>";
+  std::string out;
+  for (const char c : tok.piece(id)) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == ' ') {
+      out += "\xe2\x96\x81";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (u < 0x20 || u == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "<0x%02X>", u);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// `--model`/`--prompt`: run the prompt through the model (one prefill) and trace one layer's
+// attention on the q (after RoPE), k and v the model used.
+void run_model(const ExplainOptions& o) {
+  // The model fixes q, k, v and the attention options: the flags that set them do not apply.
+  const std::pair<bool, const char*> conflicts[] = {{!o.q.empty(), "--q"},
+                                                    {!o.k.empty(), "--k"},
+                                                    {!o.v.empty(), "--v"},
+                                                    {!o.x.empty(), "--x"},
+                                                    {!o.wq.empty(), "--wq"},
+                                                    {!o.wk.empty(), "--wk"},
+                                                    {!o.wv.empty(), "--wv"},
+                                                    {!o.mask.empty(), "--mask"},
+                                                    {!o.kv_lens.empty(), "--kv-lens"},
+                                                    {!o.window.empty(), "--window"},
+                                                    {o.scale.has_value(), "--scale"},
+                                                    {o.softcap != 0.0, "--softcap"},
+                                                    {o.layout != "bhsd", "--layout"},
+                                                    {o.align != "bottom-right", "--align"},
+                                                    {o.heads != 1, "--heads"},
+                                                    {o.batch.has_value(), "--batch"},
+                                                    {!o.labels.empty(), "--labels"},
+                                                    {!o.labels_file.empty(), "--labels-file"},
+                                                    {o.scaling, "--scaling"},
+                                                    {!o.plots.empty(), "--plot"}};
+  for (const auto& [set, flag] : conflicts)
+    if (set)
+      throw Error(std::string(flag) +
+                  ": not with --model/--prompt (the model gives q, k, v, causal masking, its scale and the "
+                  "token labels)");
+  if (!o.prompt_given || o.prompt.empty())
+    throw Error("--prompt: expected text to run through the model, got " +
+                std::string(o.prompt_given ? "an empty string" : "none"));
+  if (!o.layer) throw Error("--layer: required with --model/--prompt (which layer's attention to explain)");
+
+  const std::string model_path = o.model.empty() ? default_model_path().string() : o.model;
+  Llama2cModel weights;
+  Tokenizer tok;
+  try {
+    weights = read_llama2c(model_path);
+  } catch (const Error& e) {
+    throw Error(std::string("--model: ") + e.what());
+  }
+  try {
+    tok = read_tokenizer(o.tokenizer, weights.config.vocab_size);
+  } catch (const Error& e) {
+    throw Error(std::string("--tokenizer: ") + e.what());
+  }
+  const Llama2cConfig& c = weights.config;
+  if (*o.layer < 0 || *o.layer >= c.n_layers)
+    throw Error("--layer: expected an index in [0, n_layers) = [0, " + std::to_string(c.n_layers) +
+                "), got " + std::to_string(*o.layer));
+  check_index(o.head, c.n_heads, "--head", "num_heads");
+  const std::vector<int> tokens = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false);
+  const auto S = static_cast<std::int64_t>(tokens.size());
+  if (S > c.max_seq_len)
+    throw Error("--prompt: " + std::to_string(S) + " tokens (BOS included) exceed the model's max_seq_len (" +
+                std::to_string(c.max_seq_len) + ")");
+  check_index(o.query, S, "--query", "prompt tokens incl. BOS");
+
+  LlamaOptions lo;
+  lo.record_queries = true;
+  Llama model(weights, lo);
+  model.forward(tokens);
+  const Llama::LayerAttention la = model.layer_attention(*o.layer);
+  const explain::Trace t = explain::trace_attention(la.q, la.k, la.v, la.params);
+  std::vector<std::string> labels;
+  for (const int id : tokens) labels.push_back(token_label(tok, id));
+
+  // The trace against the model's own attention: the weights against Llama::attention_weights
+  // (float64 softmax of the scores the run used) at every position, the output against
+  // qkv::attention on the same float32 q, k, v (the kernel the model runs).
+  double err_w = 0.0, err_o = 0.0;
+  for (std::int64_t i = 0; i < S; ++i) {
+    const Tensor w = model.attention_weights(*o.layer, i);
+    for (std::int64_t h = 0; h < t.Hq; ++h)
+      for (std::int64_t j = 0; j <= i; ++j)
+        err_w = std::max(err_w,
+                         std::fabs(w.data_as<const double>()[h * (i + 1) + j] - t.weights[t.at(0, h, i, j)]));
+  }
+  Tensor out(DType::f32, {1, t.Hq, S, t.Dv});
+  attention(la.q, la.k, la.v, out, la.params);
+  for (std::int64_t x = 0; x < out.numel(); ++x)
+    err_o = std::max(err_o, std::fabs(static_cast<double>(out.data_as<const float>()[x]) - t.output[x]));
+  // float64 trace of float32 inputs vs the model's float64 recomputation: rounding only; the
+  // float32 kernel's output: float32 rounding of sums of at most S products.
+  constexpr double kTolWeights = 1e-12, kTolOutput = 1e-4;
+
+  Outputs outputs;
+  if (!o.out_dir.empty())
+    outputs.npy_files(o.out_dir, {{"scores.npy", t.scores_view()},
+                                  {"scaled.npy", t.scaled_view()},
+                                  {"weights.npy", t.weights_view()},
+                                  {"output.npy", t.output_view()},
+                                  {"q.npy", la.q},
+                                  {"k.npy", la.k},
+                                  {"v.npy", la.v}});
+  for (const auto& path : o.heatmaps) {
+    explain::HeatmapOptions ho;
+    ho.title = "layer " + std::to_string(*o.layer) + " attention weights: \"" + o.prompt + "\"";
+    for (std::int64_t h = 0; h < t.Hq; ++h)
+      ho.panel_titles.push_back("head " + std::to_string(h) + " (kv " + std::to_string(t.kv_head(h)) + ")");
+    outputs.write(path,
+                  [&] { explain::write_heatmap(path, explain::head_weights(t, 0), labels, labels, ho); });
+  }
+
+  std::printf("qkv explain: %s, layer %d of %d: Hq %" PRId64 ", Hkv %" PRId64 ", S %" PRId64
+              " tokens (BOS included), D %" PRId64 "\n",
+              std::filesystem::path(model_path).filename().string().c_str(), *o.layer, c.n_layers, t.Hq,
+              t.Hkv, S, t.D);
+  std::printf("tokens:");
+  for (std::int64_t j = 0; j < S; ++j)
+    std::printf(" %" PRId64 " %s%s", j, labels[static_cast<std::size_t>(j)].c_str(), j + 1 < S ? "," : "\n");
+  std::printf("q after RoPE, k and v from the KV cache; causal; scale %.6g (1/sqrt(D))\n", t.scale);
+  std::printf(
+      "check: weights vs the model's attention weights (Llama::attention_weights), all positions: "
+      "max |diff| = %.2e %s\n",
+      err_w, err_w <= kTolWeights ? "OK" : "MISMATCH");
+  std::printf("check: z vs qkv::attention on the layer's float32 q, k, v: max |diff| = %.2e %s\n", err_o,
+              err_o <= kTolOutput ? "OK" : "MISMATCH");
+  std::printf(
+      "steps: 1. q.k = q_i . k_j   2. x scale = scale * q.k   3. masks: causal, later keys get -inf\n"
+      "       4. weight = softmax over the row of the logits   5. z_i = sum_j weight_j v_j\n\n");
+  print_rows(t, o, labels);
+  outputs.print();
+  if (err_w > kTolWeights || err_o > kTolOutput)
+    throw std::runtime_error("explain: the trace disagrees with the model's attention");
+}
+
 void run_explain(const ExplainOptions& o) {
+  if (o.model_given || o.prompt_given) return run_model(o);
   if (o.scaling) return run_scaling(o);
-  if (!o.plots.empty()) throw Error("--plot: only with --scaling (attention weights are drawn with --heatmap)");
+  if (!o.plots.empty())
+    throw Error("--plot: only with --scaling (attention weights are drawn with --heatmap)");
   const bool from_x = !o.x.empty() || !o.wq.empty() || !o.wk.empty() || !o.wv.empty();
   const bool from_qkv = !o.q.empty() || !o.k.empty() || !o.v.empty();
   if (from_x && from_qkv) throw Error("--x: give either --q/--k/--v or --x/--wq/--wk/--wv, not both");
@@ -169,22 +376,8 @@ void run_explain(const ExplainOptions& o) {
   check_index(o.batch, t.B, "--batch", "B");
 
   // Files first (each atomic; on a failure the ones already written are removed), then the text.
-  std::vector<std::filesystem::path> written;
-  auto guarded = [&](const std::filesystem::path& path, auto&& write) {
-    try {
-      write();
-      written.push_back(path);
-    } catch (...) {
-      std::error_code ec;
-      for (const auto& w : written) std::filesystem::remove(w, ec);
-      throw;
-    }
-  };
+  Outputs outputs;
   if (!o.out_dir.empty()) {
-    const std::filesystem::path dir(o.out_dir);
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw Error("--out-dir: cannot create '" + o.out_dir + "': " + ec.message());
     const TensorView out = bshd ? t.output_view().permute({0, 2, 1, 3}) : t.output_view();
     std::vector<std::pair<std::string, TensorView>> files = {{"scores.npy", t.scores_view()},
                                                              {"scaled.npy", t.scaled_view()},
@@ -195,7 +388,7 @@ void run_explain(const ExplainOptions& o) {
       files.emplace_back("k.npy", k);
       files.emplace_back("v.npy", v);
     }
-    for (const auto& [name, view] : files) guarded(dir / name, [&] { write_npy(dir / name, view); });
+    outputs.npy_files(o.out_dir, files);
   }
   const std::int64_t hb = o.batch.value_or(0);
   for (const auto& path : o.heatmaps) {
@@ -206,7 +399,8 @@ void run_explain(const ExplainOptions& o) {
       w = TensorView(static_cast<double*>(w.data()) + *o.head * t.Sq * t.Sk, DType::f64, {1, t.Sq, t.Sk});
       ho.panel_titles = {"head " + std::to_string(*o.head)};
     }
-    guarded(path, [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
+    outputs.write(path,
+                  [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
   }
 
   std::printf("qkv explain: B %" PRId64 ", Hq %" PRId64 ", Hkv %" PRId64 ", Sq %" PRId64 ", Sk %" PRId64
@@ -223,18 +417,8 @@ void run_explain(const ExplainOptions& o) {
       "\nsteps: 1. q.k = q_i . k_j   2. x scale = scale * q.k%s%s   3. masks: excluded keys get -inf\n"
       "       4. weight = softmax over the row of the logits   5. z_i = sum_j weight_j v_j\n\n",
       t.softcap > 0 ? ", softcap = c*tanh(s/c)" : "", t.additive_mask ? ", + mask" : "");
-  for (std::int64_t b = 0; b < t.B; ++b) {
-    if (o.batch && b != *o.batch) continue;
-    for (std::int64_t h = 0; h < t.Hq; ++h) {
-      if (o.head && h != *o.head) continue;
-      for (std::int64_t i = 0; i < t.Sq; ++i) {
-        if (o.query && i != *o.query) continue;
-        std::fputs(explain::format_row(t, b, h, i, labels, o.top).c_str(), stdout);
-        std::fputs("\n", stdout);
-      }
-    }
-  }
-  for (const auto& w : written) std::printf("wrote %s\n", w.string().c_str());
+  print_rows(t, o, labels);
+  outputs.print();
 }
 
 }  // namespace
@@ -274,15 +458,31 @@ void add_explain(CLI::App& app) {
   cmd->add_option("--out-dir", o->out_dir,
                   "write scores.npy, scaled.npy, weights.npy [B,Hq,Sq,Sk] (float64, excluded: -inf / 0) and "
                   "output.npy (float64, in the input layout); with --x also q.npy, k.npy, v.npy (bhsd)");
-  cmd->add_option("--heatmap", o->heatmaps,
-                  "attention-weight heatmap(s) of all heads: FILE.png, .svg or .html");
+  cmd->add_option(
+      "--heatmap", o->heatmaps,
+      "attention-weight heatmap(s) of all heads (with --model: all heads of the layer): FILE.png, .svg "
+      "or .html");
+  auto* model_opt =
+      cmd->add_option("--model", o->model,
+                      "a llama2.c checkpoint: explain one layer of it run on --prompt (default, also when "
+                      "--model is given without a value: " +
+                          default_model_path().string() + ")")
+          ->expected(0, 1);
+  auto* prompt_opt = cmd->add_option("--prompt", o->prompt,
+                                     "with --model: the text to run (BOS and a leading space are added)");
+  cmd->add_option("--tokenizer", o->tokenizer, "with --model: llama2.c tokenizer.bin")->capture_default_str();
+  cmd->add_option("--layer", o->layer, "with --model: the layer whose attention is traced (0 = first)");
   cmd->add_flag("--scaling", o->scaling, "measure the scaling argument on random N(0,1) vectors");
   cmd->add_option("--d-k", o->d_k, "with --scaling: head dimensions to measure")->delimiter(',');
   cmd->add_option("--samples", o->samples, "with --scaling: samples per d_k")->check(CLI::PositiveNumber);
   cmd->add_option("--keys", o->n_keys, "with --scaling: keys per softmax (n)")->check(CLI::PositiveNumber);
   cmd->add_option("--seed", o->seed, "with --scaling: random seed");
   cmd->add_option("--plot", o->plots, "with --scaling: write the curves as FILE.png, .svg or .html");
-  cmd->callback([o] { run_explain(*o); });
+  cmd->callback([o, model_opt, prompt_opt] {
+    o->model_given = model_opt->count() > 0;
+    o->prompt_given = prompt_opt->count() > 0;
+    run_explain(*o);
+  });
 }
 
 }  // namespace qkv::cli

@@ -104,6 +104,21 @@ class Llama {
   /// @throws qkv::Error for a bad layer, pos outside [0, length()), or queries not recorded.
   Tensor attention_weights(int layer, std::int64_t pos) const;
 
+  /// The inputs of layer l's attention over the whole run, as the BHSD views qkv::attention and
+  /// qkv::explain::trace_attention take (batch 1, S = length()):
+  ///   q [1, Hq, S, D] post-RoPE queries (strides {S*Hq*D, D, Hq*D, 1}: the recorded [S, Hq, D]),
+  ///   k, v [1, Hkv, S, D] views into the KV cache,
+  /// all float32, and the AttentionParams the layer ran with (causal, the default scale
+  /// 1/sqrt(D); Sq = Sk, so the diagonal alignment does not matter). Attention on them gives,
+  /// for every position, the weights of attention_weights() and the output the layer computed.
+  /// The views stay valid until the next forward() or reset(). Requires record_queries.
+  /// @throws qkv::Error for a bad layer or when queries are not recorded.
+  struct LayerAttention {
+    TensorView q, k, v;
+    AttentionParams params;
+  };
+  LayerAttention layer_attention(int layer) const;
+
  private:
   struct Impl;
   Impl* impl_ = nullptr;

@@ -275,8 +275,13 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
   double sum = 0.0;
   for (std::int64_t j = 0; j < t.Sk; ++j) {
     const auto e = static_cast<std::size_t>(t.at(b, h, i, j));
-    std::snprintf(buf, sizeof buf, "  %5" PRId64 " %-12s", j, label(j).c_str());
+    std::snprintf(buf, sizeof buf, "  %5" PRId64 " ", j);
     o += buf;
+    // Padded to 12 characters, not bytes, so UTF-8 labels (U+2581 word marks) keep the columns.
+    const std::string lab = label(j);
+    const auto chars = std::count_if(lab.begin(), lab.end(), [](char c) { return (c & 0xC0) != 0x80; });
+    o += lab;
+    if (chars < 12) o.append(static_cast<std::size_t>(12 - chars), ' ');
     if (t.status[e] != KeyStatus::admitted) {
       std::snprintf(buf, sizeof buf, " %13s  (excluded by %s: -inf, weight 0)\n", "-inf",
                     key_status_name(t.status[e]));

@@ -240,6 +240,20 @@ Tensor Llama::attention_weights(int layer, std::int64_t pos) const {
   return probs;
 }
 
+Llama::LayerAttention Llama::layer_attention(int layer) const {
+  const TensorView qs = queries(layer), ks = keys(layer), vs = values(layer);
+  const std::int64_t S = impl_->length, Hq = impl_->Hq, Hkv = impl_->Hkv, D = impl_->D;
+  LayerAttention a;
+  a.q = TensorView(qs.data(), DType::f32, {1, S, Hq, D}).permute({0, 2, 1, 3});
+  a.k =
+      TensorView(ks.data(), DType::f32, {1, Hkv, S, D}, {Hkv * ks.stride(0), ks.stride(0), ks.stride(1), 1});
+  a.v =
+      TensorView(vs.data(), DType::f32, {1, Hkv, S, D}, {Hkv * vs.stride(0), vs.stride(0), vs.stride(1), 1});
+  // The params of forward(): causal, default scale (kernel choice does not change the semantics).
+  a.params.causal = true;
+  return a;
+}
+
 std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
                           const std::function<int(std::span<const float>)>& sample,
                           const std::function<void(int, int)>& on_token, GenerationStats* stats) {

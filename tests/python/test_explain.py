@@ -1,5 +1,6 @@
 """NumPy cross-checks of `qkv explain`: the written arrays, the printed numbers of a row, the
-output against `qkv attend`, the heatmap and plot files, --scaling figures, and bad input.
+output against `qkv attend`, the heatmap and plot files, --scaling figures, one layer of the
+stories260K model (--model/--prompt), and bad input.
 
 Usage: /usr/bin/python3 tests/python/test_explain.py <path to qkv>
 """
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+import zlib
 
 import numpy as np
 
@@ -23,8 +25,8 @@ def check(cond, msg):
         print("FAIL:", msg)
 
 
-def run(*args, expect=0):
-    p = subprocess.run([QKV, *map(str, args)], capture_output=True, text=True)
+def run(*args, expect=0, env=None):
+    p = subprocess.run([QKV, *map(str, args)], capture_output=True, text=True, env=env)
     if p.returncode != expect:
         raise AssertionError(f"qkv {' '.join(map(str, args))}: exit {p.returncode}, expected {expect}\n{p.stderr}")
     return p
@@ -86,6 +88,123 @@ def png_size(path):
         head = f.read(24)
     check(head[:8] == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG")
     return struct.unpack(">II", head[16:24])
+
+
+def png_decode(path):
+    """Width, height and the unfiltered-size check of an 8-bit RGB PNG: the IDAT stream inflates
+    to height rows of one filter byte (0..4) plus 3*width bytes."""
+    with open(path, "rb") as fh:
+        data = fh.read()
+    check(data[:8] == b"\x89PNG\r\n\x1a\n", f"{path}: not a PNG")
+    pos, idat, w, h = 8, b"", 0, 0
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        check(zlib.crc32(kind + body) == struct.unpack(">I", data[pos + 8 + n:pos + 12 + n])[0], f"{path}: CRC of {kind}")
+        if kind == b"IHDR":
+            w, h, depth, colour = struct.unpack(">IIBB", body[:10])
+            check(depth == 8 and colour == 2, f"{path}: 8-bit RGB")
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    raw = zlib.decompress(idat)
+    check(len(raw) == h * (1 + 3 * w), f"{path}: {len(raw)} bytes inflated, expected {h * (1 + 3 * w)}")
+    check(all(raw[r * (1 + 3 * w)] <= 4 for r in range(h)), f"{path}: row filter bytes")
+    return w, h
+
+
+MODEL_PROMPT = "Once upon a time, there was a little girl named Lily. She"
+
+
+def test_model(tmp):
+    """`--model --prompt --layer`: layer 2 of stories260K on a prompt; the arrays against NumPy on
+    the written q, k, v and against `qkv attend`, the in-run checks against the model's own
+    attention weights, labels, the printed row, the heatmap grid of all heads, and bad input."""
+    f = lambda name: os.path.join(tmp, name)
+    p = run("explain", "--prompt", MODEL_PROMPT, "--layer", "2", "--out-dir", f("m"), "--heatmap", f("m.png"),
+            "--heatmap", f("m.svg"))
+    lines = p.stdout.splitlines()
+    check(lines[0].startswith("qkv explain: stories260K.bin, layer 2 of 5: Hq 8, Hkv 4,"), f"header: {lines[0]}")
+    tok_line = [l for l in lines if l.startswith("tokens: ")][0]
+    labels = [t.split(" ", 1)[1] for t in tok_line[len("tokens: "):].split(", ")]
+    S = len(labels)
+    check(labels[0] == "<s>" and "".join(labels[1:]).replace("\u2581", " ") == " " + MODEL_PROMPT,
+          f"labels spell the prompt: {labels}")
+    check("\u2581Lily" in labels and "\u2581She" in labels, "word-start pieces marked with U+2581")
+    for what in ("weights vs the model's attention weights", "z vs qkv::attention"):
+        l = [x for x in lines if x.startswith("check: " + what)]
+        check(len(l) == 1 and l[0].endswith(" OK"), f"in-run check {what}: {l}")
+    q, k, v = (load(f("m"), n + ".npy") for n in ("q", "k", "v"))
+    check(q.dtype == np.float32 and q.shape == (1, 8, S, 8) and k.shape == (1, 4, S, 8) and v.shape == (1, 4, S, 8),
+          f"q, k, v shapes {q.shape} {k.shape} {v.shape}")
+    raw, s, w, o = reference(q, k, v, causal=True)
+    for name, ref in (("scores", raw), ("scaled", s), ("weights", w), ("output", o)):
+        got = load(f("m"), name + ".npy")
+        check(got.shape == (1, 8, S, S if name != "output" else 8), f"model {name}.npy shape {got.shape}")
+        close(got, ref, 1e-12, f"model {name}.npy vs NumPy on q, k, v")
+    wts = load(f("m"), "weights.npy")
+    close(wts.sum(-1), np.ones((1, 8, S)), 1e-14, "model weights sum to 1")
+    check(np.all(wts[0][:, np.triu_indices(S, 1)[0], np.triu_indices(S, 1)[1]] == 0), "causal: no weight on later tokens")
+    run("attend", "--q", f("m/q.npy"), "--k", f("m/k.npy"), "--v", f("m/v.npy"), "--causal", "--out", f("m_att.npy"),
+        "--probs", f("m_probs.npy"))
+    close(load(f("m"), "output.npy"), np.load(f("m_att.npy")), 2e-6, "model output.npy vs qkv attend")
+    close(wts, np.load(f("m_probs.npy")), 2e-6, "model weights.npy vs qkv attend --probs")
+    # 8 heads x S rows x S keys printed: one row header per (head, query).
+    check(sum(1 for l in lines if re.match(r"^batch 0, head \d+ \(kv head \d+\), query \d+", l)) == 8 * S,
+          "every head and row printed")
+
+    # Heatmaps: all 8 heads of the layer, labels, tooltips = weights.
+    wpx, hpx = png_decode(f("m.png"))
+    root = ET.parse(f("m.svg")).getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    check(int(root.get("width")) == wpx and int(root.get("height")) == hpx, "model svg and png share the layout")
+    cells = [r for r in root.iter(ns + "rect") if r.get("class") == "cell"]
+    check(len(cells) == 8 * S * S, f"model svg holds 8 x {S} x {S} cells, got {len(cells)}")
+    texts = [t.text for t in root.iter(ns + "text")]
+    check(all(f"head {h} (kv {h // 2})" in texts for h in range(8)), "panel titles name the head and kv head")
+    check("\u2581Lily" in texts, "svg labels are the pieces")
+    tips = np.array([float(r.find(ns + "title").text.rsplit(": ", 1)[1]) for r in cells])
+    close(tips, wts[0].reshape(-1), 1e-5, "model svg tooltips hold the weights")
+
+    # One head, one row, explicit model and tokenizer paths (bare --model = the default model).
+    i = labels.index("\u2581She")
+    model_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "stories260K")
+    for model_args in (["--model"], ["--model", os.path.join(model_dir, "stories260K.bin"), "--tokenizer",
+                                     os.path.join(model_dir, "tok512.bin")]):
+        p = run("explain", *model_args, "--prompt", MODEL_PROMPT, "--layer", "2", "--head", "3", "--query", str(i), "--top", "1")
+        rows = p.stdout.splitlines()
+        check(sum(1 for l in rows if l.startswith("batch 0, head")) == 1, f"{model_args}: one row printed")
+        key_lines = [m for m in (re.match(r"^\s+(\d+) (\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)$", l) for l in rows) if m]
+        check(len(key_lines) == i + 1, f"{model_args}: {i + 1} admitted keys printed, got {len(key_lines)}")
+        for m in key_lines:
+            j = int(m.group(1))
+            check(m.group(2) == labels[j], f"label of key {j}")
+            check(abs(float(m.group(6)) - wts[0, 3, i, j]) <= 1e-5 * max(1, wts[0, 3, i, j]), f"printed weight of key {j}")
+        top = int(np.argmax(wts[0, 3, i]))
+        check(any(l.strip().startswith(f"most weight: {top} ") for l in rows), f"{model_args}: top key {top}")
+
+    # Bad input: one line, exit 2, nothing written.
+    bad = ((("--prompt", MODEL_PROMPT, "--layer", "5"), "--layer"),
+           (("--prompt", MODEL_PROMPT, "--layer", "-1"), "--layer"),
+           (("--prompt", MODEL_PROMPT), "--layer"),
+           (("--prompt", MODEL_PROMPT, "--layer", "0", "--head", "8"), "--head"),
+           (("--prompt", MODEL_PROMPT, "--layer", "0", "--query", str(S)), "--query"),
+           (("--prompt", "", "--layer", "0"), "--prompt"),
+           (("--model", "--layer", "0"), "--prompt"),
+           (("--model", f("missing.bin"), "--prompt", MODEL_PROMPT, "--layer", "0"), "--model"),
+           (("--prompt", MODEL_PROMPT, "--layer", "0", "--tokenizer", f("missing.bin")), "--tokenizer"),
+           (("--prompt", MODEL_PROMPT, "--layer", "0", "--scale", "1"), "--scale"),
+           (("--prompt", MODEL_PROMPT, "--layer", "0", "--heatmap", f("m.bmp")), "heatmap"))
+    for args, what in bad:
+        p = run("explain", *args, "--out-dir", f("mbad"), expect=2)
+        err = p.stderr.strip().splitlines()
+        check(len(err) == 1 and err[0].startswith("qkv: error:") and what in err[0], f"error for {args}: {p.stderr!r}")
+        check(not os.path.exists(f("mbad")) or not os.listdir(f("mbad")), f"no output after the {args} error")
+    check(not os.path.exists(f("m.bmp")), "no heatmap after a bad extension")
+    # The default model looked up under $QKV_MODELS_DIR when set.
+    p = run("explain", "--prompt", MODEL_PROMPT, "--layer", "0", expect=2, env={**os.environ, "QKV_MODELS_DIR": f("nowhere")})
+    check(p.stderr.startswith("qkv: error: --model:") and "nowhere" in p.stderr and len(p.stderr.strip().splitlines()) == 1,
+          f"missing default model: {p.stderr!r}")
 
 
 def main():
@@ -230,6 +349,8 @@ def main():
         check(len(err) == 1 and err[0].startswith("qkv: error:") and what in err[0], f"error for {what}: {p.stderr!r}")
         check(not os.path.exists(f("bad")) or not os.listdir(f("bad")), f"no output after the {what} error")
     check(not os.path.exists(f("h.bmp")), "no heatmap after a bad extension")
+
+    test_model(tmp)
 
     if failures:
         print(f"{len(failures)} check(s) failed")
