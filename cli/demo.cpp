@@ -231,7 +231,7 @@ void run_model_demo() {
   double err = 0.0;
   for (std::size_t i = 0; i < ref.size(); ++i)
     err = std::max(err, std::fabs(static_cast<double>(fast.data_as<const float>()[i]) - ref[i]));
-  std::printf("\ncheck: logits at all %lld positions, float32 on qkv vs the float64 reference forward pass:\n"
+  std::printf("\ncheck: logits at all %lld positions, float32 on qkv vs the float64 reference forward pass: "
               "max |diff| = %.2e %s\n",
               static_cast<long long>(fed), err, err <= 1e-3 ? "OK" : "MISMATCH");
   std::printf("more: build/qkv generate --prompt \"Once upon a time\" --temperature 0.8\n");
