@@ -3,6 +3,7 @@
 #include <array>
 
 #include "qkv/error.hpp"
+#include "kernels/kernels.hpp"
 #include "reference/reference_kernel.hpp"
 
 namespace qkv::detail {
@@ -11,7 +12,9 @@ namespace {
 std::string reference_refuse(const Problem&, bool) { return {}; }
 std::string reference_describe() { return "float64 loops, always usable"; }
 
-const std::array<KernelEntry, 1> kRegistry = {{
+const std::array<KernelEntry, 3> kRegistry = {{
+    {"decode", KernelKind::decode, decode_refuse, decode_kernel, decode_describe},
+    {"flash", KernelKind::flash, flash_refuse, flash_kernel, flash_describe},
     {"reference", KernelKind::reference, reference_refuse, reference_kernel, reference_describe},
 }};
 
