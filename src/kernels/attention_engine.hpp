@@ -112,7 +112,7 @@ struct Engine {
 
   static std::size_t ws_bytes(const Problem& p) {
     const std::size_t f = sizeof(float);
-    return align_up(dp(p) * BQ * f) + align_up(BK * BQ * f) + align_up(BQ * dvp(p) * f) +
+    return align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
            3 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
            align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row));
   }
@@ -122,7 +122,7 @@ struct Engine {
     const std::size_t f = sizeof(float);
     auto take = [&](std::size_t n) { char* r = base; base += align_up(n); return r; };
     w.qt = reinterpret_cast<float*>(take(dp(p) * BQ * f));
-    w.s = reinterpret_cast<float*>(take(BK * BQ * f));
+    w.s = reinterpret_cast<float*>(take(BK * (BQ + W) * f));
     w.o = reinterpret_cast<float*>(take(BQ * dvp(p) * f));
     w.m = reinterpret_cast<float*>(take(BQ * f));
     w.l = reinterpret_cast<float*>(take(BQ * f));
@@ -151,7 +151,7 @@ struct Engine {
   // ---- microkernels (fp32) -----------------------------------------------------------------
   // S[j][c*W..] = sum_d K[j][d] * Qt[d][c*W..] for MR keys j and NQV query vectors c.
   template <int NQV, int MR>
-  static void qk_mk(const float* qt, int sp, const float* k, i64 ks, i64 D, float* s) {
+  static void qk_mk(const float* qt, int sp, const float* k, i64 ks, i64 D, float* s, int ssp) {
     V acc[MR][NQV];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
@@ -171,31 +171,31 @@ struct Engine {
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 4
-      for (int c = 0; c < NQV; ++c) Ops::store(s + r * sp + c * W, acc[r][c]);
+      for (int c = 0; c < NQV; ++c) Ops::store(s + r * ssp + c * W, acc[r][c]);
   }
 
   template <int NQV>
-  static void qk_rows(const float* qt, int sp, const float* k, i64 ks, i64 D, int kt, float* s) {
+  static void qk_rows(const float* qt, int sp, const float* k, i64 ks, i64 D, int kt, float* s, int ssp) {
     constexpr int MR0 = Ops::kAccRegs / NQV > 16 ? 16 : Ops::kAccRegs / NQV;
     constexpr int MR = MR0 < 1 ? 1 : MR0;
     int j = 0;
-    for (; j + MR <= kt; j += MR) qk_mk<NQV, MR>(qt, sp, k + j * ks, ks, D, s + j * sp);
-    for (; j + 2 <= kt; j += 2) qk_mk<NQV, 2>(qt, sp, k + j * ks, ks, D, s + j * sp);
-    for (; j < kt; ++j) qk_mk<NQV, 1>(qt, sp, k + j * ks, ks, D, s + j * sp);
+    for (; j + MR <= kt; j += MR) qk_mk<NQV, MR>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+    for (; j + 2 <= kt; j += 2) qk_mk<NQV, 2>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+    for (; j < kt; ++j) qk_mk<NQV, 1>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
   }
 
-  static void qk_tile(const float* qt, int nqv, const float* k, i64 ks, i64 D, int kt, float* s) {
+  static void qk_tile(const float* qt, int nqv, const float* k, i64 ks, i64 D, int kt, float* s, int ssp) {
     const int sp = nqv * W;
     static_assert(NQV_MAX <= 8);
     switch (nqv) {
-      case 1: qk_rows<1>(qt, sp, k, ks, D, kt, s); break;
-      case 2: if constexpr (NQV_MAX >= 2) qk_rows<2>(qt, sp, k, ks, D, kt, s); break;
-      case 3: if constexpr (NQV_MAX >= 3) qk_rows<3>(qt, sp, k, ks, D, kt, s); break;
-      case 4: if constexpr (NQV_MAX >= 4) qk_rows<4>(qt, sp, k, ks, D, kt, s); break;
-      case 5: if constexpr (NQV_MAX >= 5) qk_rows<5>(qt, sp, k, ks, D, kt, s); break;
-      case 6: if constexpr (NQV_MAX >= 6) qk_rows<6>(qt, sp, k, ks, D, kt, s); break;
-      case 7: if constexpr (NQV_MAX >= 7) qk_rows<7>(qt, sp, k, ks, D, kt, s); break;
-      case 8: if constexpr (NQV_MAX >= 8) qk_rows<8>(qt, sp, k, ks, D, kt, s); break;
+      case 1: qk_rows<1>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 2: if constexpr (NQV_MAX >= 2) qk_rows<2>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 3: if constexpr (NQV_MAX >= 3) qk_rows<3>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 4: if constexpr (NQV_MAX >= 4) qk_rows<4>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 5: if constexpr (NQV_MAX >= 5) qk_rows<5>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 6: if constexpr (NQV_MAX >= 6) qk_rows<6>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 7: if constexpr (NQV_MAX >= 7) qk_rows<7>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 8: if constexpr (NQV_MAX >= 8) qk_rows<8>(qt, sp, k, ks, D, kt, s, ssp); break;
       default: break;
     }
   }
@@ -233,23 +233,25 @@ struct Engine {
       for (int c = 0; c < NC; ++c) Ops::store(o + r * os + c * W, acc[r][c]);
   }
 
-  template <int MR, bool SKIP>
-  static void pv_rows(const float* s, int sp, const float* v, i64 vs, int kt, float* o, i64 os,
-                      const float* alpha, int nvec) {
-    constexpr int NC = Ops::kPvCols;
-    int c = 0;
-    for (; c + NC <= nvec; c += NC) pv_mk<MR, NC, SKIP>(s, sp, v + c * W, vs, kt, o + c * W, os, alpha);
-    for (; c < nvec; ++c) pv_mk<MR, 1, SKIP>(s, sp, v + c * W, vs, kt, o + c * W, os, alpha);
+  // Column chunks outermost: one chunk of the V tile (kBk x NC vectors) stays in L1 while every
+  // row group of the block streams over it.
+  template <int NC, bool SKIP>
+  static void pv_cols(const float* s, int sp, const float* v, i64 vs, int kt, float* o, i64 os,
+                      const float* alpha, int n) {
+    constexpr int MR = Ops::kAccRegs / Ops::kPvCols;
+    int r = 0;
+    for (; r + MR <= n; r += MR) pv_mk<MR, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
+    for (; r + 2 <= n; r += 2) pv_mk<2, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
+    for (; r < n; ++r) pv_mk<1, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
   }
 
   template <bool SKIP>
   static void pv_tile(const float* s, int sp, const float* v, i64 vs, int kt, float* o, i64 os,
                       const float* alpha, int n, int nvec) {
-    constexpr int MR = Ops::kAccRegs / Ops::kPvCols;
-    int r = 0;
-    for (; r + MR <= n; r += MR) pv_rows<MR, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r, nvec);
-    for (; r + 2 <= n; r += 2) pv_rows<2, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r, nvec);
-    for (; r < n; ++r) pv_rows<1, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r, nvec);
+    constexpr int NC = Ops::kPvCols;
+    int c = 0;
+    for (; c + NC <= nvec; c += NC) pv_cols<NC, SKIP>(s, sp, v + c * W, vs, kt, o + c * W, os, alpha, n);
+    for (; c < nvec; ++c) pv_cols<1, SKIP>(s, sp, v + c * W, vs, kt, o + c * W, os, alpha, n);
   }
 
   // Online-softmax update of one tile: scores (times `mul`) -> weights, running m and l, alpha.
@@ -307,6 +309,7 @@ struct Engine {
     const int n = blk.n;
     const int nqv = (n + W - 1) / W;
     const int sp = nqv * W;
+    const int ssp = sp + W;  // score pitch off a power of two (L1 set conflicts)
     const i64 D = p.D, Dv = p.Dv, Dvp = dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
     const float scale = static_cast<float>(p.scale);
@@ -348,13 +351,13 @@ struct Engine {
       if constexpr (DP) {
         Ops::qk_bf16(reinterpret_cast<const std::uint32_t*>(w.qt), nqv,
                      static_cast<const std::uint16_t*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
-                     kt, w.s);
+                     kt, w.s, ssp);
       } else if constexpr (E == Elt::f32) {
         qk_tile(w.qt, nqv, static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
-                kt, w.s);
+                kt, w.s, ssp);
       } else {
         for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
-        qk_tile(w.qt, nqv, w.kbuf, D, D, kt, w.s);
+        qk_tile(w.qt, nqv, w.kbuf, D, D, kt, w.s, ssp);
       }
 
       // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).
@@ -365,7 +368,7 @@ struct Engine {
           const Row& row = w.rows[r];
           for (int j = 0; j < kt; ++j) {
             const i64 g = t0 + j;
-            float& x = w.s[j * sp + r];
+            float& x = w.s[j * ssp + r];
             bool ok = g >= row.lo && g < row.hi;
             float add = 0.0f;
             if constexpr (MASK) {
@@ -386,12 +389,12 @@ struct Engine {
         // Padded rows (r >= n) keep their scores of the zero query (0): finite, never stored.
       }
 
-      softmax_tile(w.s, sp, kt, nqv, mul, w.m, w.l, w.alpha);
+      softmax_tile(w.s, ssp, kt, nqv, mul, w.m, w.l, w.alpha);
 
       // O = alpha O + P V.
       if constexpr (DP) {
         if (full) {
-          Ops::pack_p_bf16(w.s, nqv, kt, w.pp);
+          Ops::pack_p_bf16(w.s, ssp, nqv, kt, w.pp);
           Ops::pack_v_bf16(static_cast<const std::uint16_t*>(p.v.data) + v_base + t0 * p.v.ss, p.v.ss,
                            Dv, nvec, kt, w.vp);
           Ops::pv_bf16(w.pp, sp, w.vp, nvec, (kt + 1) / 2, w.o, Dvp, w.alpha, n);
@@ -413,9 +416,9 @@ struct Engine {
         vs = Dvp;
       }
       if (full)
-        pv_tile<false>(w.s, sp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec);
+        pv_tile<false>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec);
       else
-        pv_tile<true>(w.s, sp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec);
+        pv_tile<true>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec);
     }
   }
 
