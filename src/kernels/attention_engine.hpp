@@ -100,6 +100,8 @@ struct Engine {
     float* m;           // [BQ]
     float* l;           // [BQ]
     float* alpha;       // [BQ]
+    float* lo_f;        // [BQ] admissible key range per row, as floats
+    float* hi_f;        // [BQ]
     float* kbuf;        // [BK][Dp] fp32 (converted K rows; also a row buffer when packing Q)
     float* vbuf;        // [BK][Dvp] fp32
     std::uint32_t* pp;  // [BK/2][BQ] bf16 pairs of P
@@ -113,7 +115,7 @@ struct Engine {
   static std::size_t ws_bytes(const Problem& p) {
     const std::size_t f = sizeof(float);
     return align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
-           3 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
+           5 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
            align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row));
   }
 
@@ -127,6 +129,8 @@ struct Engine {
     w.m = reinterpret_cast<float*>(take(BQ * f));
     w.l = reinterpret_cast<float*>(take(BQ * f));
     w.alpha = reinterpret_cast<float*>(take(BQ * f));
+    w.lo_f = reinterpret_cast<float*>(take(BQ * f));
+    w.hi_f = reinterpret_cast<float*>(take(BQ * f));
     w.kbuf = reinterpret_cast<float*>(take(BK * dp(p) * f));
     w.vbuf = reinterpret_cast<float*>(take(BK * dvp(p) * f));
     w.pp = reinterpret_cast<std::uint32_t*>(take(BK / 2 * BQ * 4));
@@ -338,6 +342,13 @@ struct Engine {
       }
     }
 
+    // Row ranges as floats for the vector select (exact while key indices stay below 2^24).
+    const bool vec_ranges = blk.kb < (i64{1} << 24);
+    if (vec_ranges)
+      for (int r = 0; r < sp; ++r) {
+        w.lo_f[r] = r < n ? static_cast<float>(w.rows[r].lo) : -1e30f;
+        w.hi_f[r] = r < n ? static_cast<float>(w.rows[r].hi) : 1e30f;
+      }
     const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
     const bool v_inplace = E == Elt::f32 && Dv % W == 0;
@@ -362,7 +373,17 @@ struct Engine {
 
       // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).
       float mul = scale;
-      if (!full || CAP) {
+      if (!full && !MASK && !CAP && vec_ranges) {
+        // Causal/window/kv_lens edges only: a vector select per query vector.
+        mul = 1.0f;
+        for (int c = 0; c < nqv; ++c) {
+          const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W), vs = Ops::set1(scale);
+          for (int j = 0; j < kt; ++j) {
+            float* x = w.s + j * ssp + c * W;
+            Ops::store(x, Ops::range_select(Ops::mul(Ops::load(x), vs), lo, hi, Ops::set1(static_cast<float>(t0 + j))));
+          }
+        }
+      } else if (!full || CAP) {
         mul = 1.0f;
         for (int r = 0; r < n; ++r) {
           const Row& row = w.rows[r];

@@ -35,6 +35,9 @@ struct Ops {
   static V max(V a, V b) { return b > a ? b : a; }
   static V exp(V x) { return std::exp(x); }
   static V safe_max(V m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
+  static V range_select(V x, V lo, V hi, V g) {
+    return lo <= g && g < hi ? x : -std::numeric_limits<float>::infinity();
+  }
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     for (std::int64_t x = 0; x < n; ++x) d[x] = half_to_float(s[x]);
   }
