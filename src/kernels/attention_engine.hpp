@@ -90,11 +90,14 @@ struct Engine {
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
   static constexpr int NQV_MAX = BQ / W;
+  // Blocks of at most this many rows use the dot-product form of QK^T (vector ISAs only).
+  static constexpr int kFewRows = W >= 8 ? 4 : 0;
   static_assert(BQ % W == 0 && BK % 2 == 0);
 
   // ---- workspace ---------------------------------------------------------------------------
   struct Ws {
     float* qt;          // [D][SP] fp32, or bf16 pairs [ceil(D/2)][SP] (as uint32)
+    float* qr;          // [BQ][D] fp32 query rows (dot-product form for a few rows)
     float* s;           // [BK][BQ]
     float* o;           // [BQ][Dvp]
     float* m;           // [BQ]
@@ -114,7 +117,7 @@ struct Engine {
 
   static std::size_t ws_bytes(const Problem& p) {
     const std::size_t f = sizeof(float);
-    return align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
+    return 2 * align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
            5 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
            align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row));
   }
@@ -124,6 +127,7 @@ struct Engine {
     const std::size_t f = sizeof(float);
     auto take = [&](std::size_t n) { char* r = base; base += align_up(n); return r; };
     w.qt = reinterpret_cast<float*>(take(dp(p) * BQ * f));
+    w.qr = reinterpret_cast<float*>(take(dp(p) * BQ * f));
     w.s = reinterpret_cast<float*>(take(BK * (BQ + W) * f));
     w.o = reinterpret_cast<float*>(take(BQ * dvp(p) * f));
     w.m = reinterpret_cast<float*>(take(BQ * f));
@@ -201,6 +205,29 @@ struct Engine {
       case 7: if constexpr (NQV_MAX >= 7) qk_rows<7>(qt, sp, k, ks, D, kt, s, ssp); break;
       case 8: if constexpr (NQV_MAX >= 8) qk_rows<8>(qt, sp, k, ks, D, kt, s, ssp); break;
       default: break;
+    }
+  }
+
+  // Few rows (decode): S[j][r] = q_r . k_j as dot products along D (vectors over d, one
+  // horizontal sum per score), so a lone query does not waste the vector lanes of qk_tile.
+  static void qk_dot(const float* qr, int n, int sp, i64 D, const float* k, i64 ks, int kt, float* s, int ssp) {
+    const i64 Dm = D / W * W;
+    for (int j = 0; j < kt; ++j) {
+      const float* kj = k + j * ks;
+      for (int r = 0; r < n; ++r) {
+        const float* q = qr + r * D;
+        V a0 = Ops::zero(), a1 = Ops::zero();
+        i64 d = 0;
+        for (; d + 2 * W <= Dm; d += 2 * W) {
+          a0 = Ops::fma(Ops::load(q + d), Ops::load(kj + d), a0);
+          a1 = Ops::fma(Ops::load(q + d + W), Ops::load(kj + d + W), a1);
+        }
+        for (; d < Dm; d += W) a0 = Ops::fma(Ops::load(q + d), Ops::load(kj + d), a0);
+        float x = Ops::hsum(Ops::add(a0, a1));
+        for (; d < D; ++d) x += q[d] * kj[d];
+        s[j * ssp + r] = x;
+      }
+      for (int r = n; r < sp; ++r) s[j * ssp + r] = 0.0f;
     }
   }
 
@@ -324,6 +351,8 @@ struct Engine {
     for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
     if (blk.ka >= blk.kb) return;
 
+    // A few rows: dot-product form (vectors along D) instead of outer products over queries.
+    const bool few = n <= kFewRows;
     // Pack Q: transposed fp32 (or bf16 pairs for the dot-product path), padded rows zero.
     if constexpr (DP) {
       std::uint32_t* qp = reinterpret_cast<std::uint32_t*>(w.qt);
@@ -334,6 +363,8 @@ struct Engine {
         for (i64 d = 0; d < D; ++d)
           qp[(d / 2) * sp + r] |= static_cast<std::uint32_t>(q[d]) << (16 * (d & 1));
       }
+    } else if (few) {
+      for (int r = 0; r < n; ++r) to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
     } else {
       for (i64 x = 0; x < D * sp; ++x) w.qt[x] = 0.0f;
       for (int r = 0; r < n; ++r) {
@@ -363,12 +394,19 @@ struct Engine {
         Ops::qk_bf16(reinterpret_cast<const std::uint32_t*>(w.qt), nqv,
                      static_cast<const std::uint16_t*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
                      kt, w.s, ssp);
-      } else if constexpr (E == Elt::f32) {
-        qk_tile(w.qt, nqv, static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
-                kt, w.s, ssp);
       } else {
-        for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
-        qk_tile(w.qt, nqv, w.kbuf, D, D, kt, w.s, ssp);
+        const float* kt_ptr;
+        i64 kstride;
+        if constexpr (E == Elt::f32) {
+          kt_ptr = static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss;
+          kstride = p.k.ss;
+        } else {
+          for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
+          kt_ptr = w.kbuf;
+          kstride = D;
+        }
+        if (few) qk_dot(w.qr, n, sp, D, kt_ptr, kstride, kt, w.s, ssp);
+        else qk_tile(w.qt, nqv, kt_ptr, kstride, D, kt, w.s, ssp);
       }
 
       // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).

@@ -68,6 +68,11 @@ struct Ops {
     const V k = _mm256_and_ps(_mm256_cmp_ps(lo, g, _CMP_LE_OQ), _mm256_cmp_ps(g, hi, _CMP_LT_OQ));
     return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), x, k);
   }
+  static float hsum(V x) {
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+  }
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     std::int64_t x = 0;
     for (; x + 8 <= n; x += 8)

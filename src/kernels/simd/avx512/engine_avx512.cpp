@@ -76,6 +76,7 @@ struct Ops {
     const __mmask16 k = _mm512_cmp_ps_mask(lo, g, _CMP_LE_OQ) & _mm512_cmp_ps_mask(g, hi, _CMP_LT_OQ);
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
   }
+  static float hsum(V x) { return _mm512_reduce_add_ps(x); }
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     std::int64_t x = 0;
     for (; x + 16 <= n; x += 16)
