@@ -10,7 +10,7 @@
 //   - NaN pattern and empty rows (O = 0, lse = -inf) identical to the reference;
 //   - fp32/fp16: max |fast - ref| <= 2 max |naive - ref| + 1e-6 (out and lse), the naive error
 //     being the worse of two summation orders (forward, backward);
-//     bf16 with the AVX512_BF16 path (P rounded to bf16): + a floor of 1/128 of max|v|;
+//     bf16 with the AVX512_BF16 path (P rounded to bf16): + a floor of max|v| / 256;
 //   - bitwise identical output for 1 and 2 threads.
 #include <gtest/gtest.h>
 
@@ -322,7 +322,8 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
     EXPECT_EQ(empty_mismatch, 0) << "empty rows must give O = 0, lse = -inf";
     double floor = 1e-6;
     double lse_floor = 1e-6;
-    if (dt == DType::bf16 && isa == detail::Isa::avx512bf16) floor += vabs / 128.0;
+    // P rounded to bf16 (relative 2^-9 per weight) moves O by at most max|v| / 512.
+    if (dt == DType::bf16 && isa == detail::Isa::avx512bf16) floor += vabs / 256.0;
     EXPECT_LE(err, 2 * st.naive_err + floor) << "naive fp32 error " << st.naive_err;
     EXPECT_LE(lerr, 2 * st.naive_lse_err + lse_floor) << "naive fp32 lse error " << st.naive_lse_err;
     st.err = std::max(st.err, err);

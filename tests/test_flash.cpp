@@ -6,6 +6,7 @@
 #include <cstdlib>
 
 #include "attention_diff.hpp"
+#include "kernels/isa_kernels.hpp"
 #include "qkv/error.hpp"
 
 using namespace qkv;
@@ -164,5 +165,33 @@ TEST(Flash, RepeatableAcrossRuns) {
   for (int r = 0; r < 3; ++r) {
     attention(q, k, v, b, p);
     ASSERT_EQ(0, std::memcmp(a.data(), b.data(), a.nbytes()));
+  }
+}
+
+// The vector exp of each ISA: max relative error against double exp over the softmax's range
+// [-87, 0] (arguments s - max <= 0), exact 0 for -inf, (almost) 0 below the normal range, NaN kept.
+TEST(Flash, VectorExp) {
+  std::vector<float> x, y;
+  for (double t = -87.0; t <= 0.0; t += 1.0 / 4096) x.push_back(static_cast<float>(t));
+  for (float t : {1.0f, 10.0f, 80.0f}) x.push_back(t);
+  x.push_back(-std::numeric_limits<float>::infinity());
+  x.push_back(-100.0f);
+  x.push_back(std::numeric_limits<float>::quiet_NaN());
+  y.resize(x.size());
+  for (detail::Isa isa : test_isas(DType::f32)) {
+    IsaCap cap(isa);
+    bool dot = false;
+    detail::active_isa_kernels(dot).exp_array(x.data(), y.data(), static_cast<std::int64_t>(x.size()));
+    double worst = 0;
+    const std::size_t n = x.size() - 3;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double e = std::exp(static_cast<double>(x[i]));
+      worst = std::max(worst, std::abs(y[i] - e) / e);
+    }
+    std::printf("%s exp: max relative error %.3g over [-87, 0] and 1, 10, 80\n", detail::isa_name(isa), worst);
+    EXPECT_LT(worst, 2.5e-7) << detail::isa_name(isa);
+    EXPECT_EQ(y[n], 0.0f);
+    EXPECT_LT(y[n + 1], 1e-37f);  // 0, or a subnormal from libm
+    EXPECT_TRUE(std::isnan(y[n + 2]));
   }
 }

@@ -20,6 +20,8 @@ struct IsaKernels {
   void (*decode_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
   /// Tile sizes, for describe(): rows per query block and keys per key tile.
   int block_q, block_k;
+  /// The vector exp of the online softmax, on an array (tests measure its error).
+  void (*exp_array)(const float* x, float* y, std::int64_t n);
 };
 
 #if defined(QKV_HAVE_AVX512)

@@ -231,6 +231,7 @@ const IsaKernels kIsaKernelsAvx512 = {
     engine_avx512::E::flash_workspace, engine_avx512::E::flash_forward,
     engine_avx512::E::decode_workspace, engine_avx512::E::decode_forward,
     engine_avx512::Ops::kBq, engine_avx512::Ops::kBk,
+    engine_avx512::E::exp_array,
 };
 
 }  // namespace qkv::detail

@@ -53,6 +53,7 @@ const IsaKernels kIsaKernelsScalar = {
     engine_scalar::E::flash_workspace, engine_scalar::E::flash_forward,
     engine_scalar::E::decode_workspace, engine_scalar::E::decode_forward,
     engine_scalar::Ops::kBq, engine_scalar::Ops::kBk,
+    engine_scalar::E::exp_array,
 };
 
 }  // namespace qkv::detail
