@@ -17,9 +17,15 @@ namespace {
 void run_grid(int n, std::uint64_t seed, double budget, bool decode) {
   std::mt19937_64 rng(seed);
   Stats worst;
+  double worst_dt[3][2] = {};  // per dtype (f32, bf16, f16): worst fast error, worst naive error
+  double worst_ratio = 0;      // fp32: worst (fast error - 1e-6) / naive error
   for (int t = 0; t < n; ++t) {
     const Config c = random_config(rng, decode, budget);
     const Stats s = run_case(c, decode ? KernelKind::decode : KernelKind::flash);
+    const int di = c.dtype == DType::f32 ? 0 : c.dtype == DType::bf16 ? 1 : 2;
+    worst_dt[di][0] = std::max(worst_dt[di][0], s.err);
+    worst_dt[di][1] = std::max(worst_dt[di][1], s.naive_err);
+    if (di == 0 && s.naive_err > 0) worst_ratio = std::max(worst_ratio, (s.err - 1e-6) / s.naive_err);
     worst.err = std::max(worst.err, s.err);
     worst.naive_err = std::max(worst.naive_err, s.naive_err);
     if (::testing::Test::HasFailure()) {
@@ -29,6 +35,10 @@ void run_grid(int n, std::uint64_t seed, double budget, bool decode) {
   }
   std::printf("%d configurations: worst fast error %.3g, worst naive fp32 error %.3g\n", n, worst.err,
               worst.naive_err);
+  const char* names[3] = {"float32", "bfloat16", "float16"};
+  for (int d = 0; d < 3; ++d)
+    std::printf("  %s: worst fast error %.3g, worst naive fp32 error %.3g\n", names[d], worst_dt[d][0], worst_dt[d][1]);
+  std::printf("  float32: worst (fast error - 1e-6) / naive error = %.3g (bound 2)\n", worst_ratio);
 }
 
 }  // namespace
@@ -194,4 +204,55 @@ TEST(Flash, VectorExp) {
     EXPECT_LT(y[n + 1], 1e-37f);  // 0, or a subnormal from libm
     EXPECT_TRUE(std::isnan(y[n + 2]));
   }
+}
+
+// Outputs stored as bfloat16, float16 and float64 (conversion on store), lse as float64.
+TEST(Flash, OutputDtypes) {
+  Tensor q(DType::f32, {1, 2, 70, 24}), k(DType::f32, {1, 2, 90, 24}), v(DType::f32, {1, 2, 90, 24});
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  for (auto* t : {&q, &k, &v})
+    for (std::int64_t x = 0; x < t->numel(); ++x) t->data_as<float>()[x] = nd(rng);
+  Tensor ref(DType::f64, {1, 2, 70, 24}), ref_lse(DType::f64, {1, 2, 70});
+  AttentionParams p;
+  p.causal = true;
+  reference::attention(q, k, v, ref, p, ref_lse.view());
+  for (KernelKind kind : {KernelKind::flash, KernelKind::decode}) {
+    for (DType odt : {DType::bf16, DType::f16, DType::f64}) {
+      Tensor out(odt, {1, 2, 70, 24}), lse(DType::f64, {1, 2, 70});
+      p.kernel = kind;
+      if (kind == KernelKind::decode) {  // decode takes Sq <= 16: the last 16 rows
+        TensorView qv(q.data_as<float>() + 54 * 24, DType::f32, {1, 2, 16, 24}, {2 * 70 * 24, 70 * 24, 24, 1});
+        Tensor o16(odt, {1, 2, 16, 24}), l16(DType::f64, {1, 2, 16});
+        attention(qv, k, v, o16, p, l16.view());
+        for (std::int64_t h = 0; h < 2; ++h)
+          for (std::int64_t i = 0; i < 16; ++i) {
+            const std::int64_t ri = (h * 70 + 54 + i);
+            EXPECT_NEAR(l16.data_as<double>()[h * 16 + i], ref_lse.data_as<double>()[ri], 1e-5);
+            for (std::int64_t d = 0; d < 24; ++d)
+              EXPECT_NEAR(load_as_double(o16.data(), odt, (h * 16 + i) * 24 + d), ref.data_as<double>()[ri * 24 + d],
+                          odt == DType::f64 ? 1e-5 : odt == DType::f16 ? 2e-3 : 1.6e-2);
+          }
+        continue;
+      }
+      attention(q, k, v, out, p, lse.view());
+      for (std::int64_t x = 0; x < ref.numel(); ++x)
+        EXPECT_NEAR(load_as_double(out.data(), odt, x), ref.data_as<double>()[x],
+                    odt == DType::f64 ? 1e-5 : odt == DType::f16 ? 2e-3 : 1.6e-2);
+      for (std::int64_t x = 0; x < ref_lse.numel(); ++x)
+        EXPECT_NEAR(lse.data_as<double>()[x], ref_lse.data_as<double>()[x], 1e-5);
+    }
+  }
+}
+
+// QKV_ISA (read once per process) caps the level reported active by `qkv info`.
+TEST(Flash, IsaEnvironmentVariable) {
+  const std::string cmd = std::string("QKV_ISA=scalar ") + QKV_BINARY_DIR + "/qkv info 2>&1";
+  FILE* f = popen(cmd.c_str(), "r");
+  ASSERT_NE(f, nullptr);
+  std::string outp;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, f)) outp += buf;
+  pclose(f);
+  EXPECT_NE(outp.find("scalar (active)"), std::string::npos) << outp;
 }
