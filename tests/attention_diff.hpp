@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -326,6 +327,9 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
     if (dt == DType::bf16 && isa == detail::Isa::avx512bf16) floor += vabs / 256.0;
     EXPECT_LE(err, 2 * st.naive_err + floor) << "naive fp32 error " << st.naive_err;
     EXPECT_LE(lerr, 2 * st.naive_lse_err + lse_floor) << "naive fp32 lse error " << st.naive_lse_err;
+    if (std::getenv("QKV_TEST_VERBOSE"))
+      std::printf("    %s %s: err %.3g (naive %.3g), lse err %.3g (naive %.3g)\n", detail::isa_name(isa), c.str().c_str(),
+                  err, st.naive_err, lerr, st.naive_lse_err);
     st.err = std::max(st.err, err);
     st.lse_err = std::max(st.lse_err, lerr);
   }

@@ -22,6 +22,7 @@ void run_grid(int n, std::uint64_t seed, double budget) {
     worst_dt[di][0] = std::max(worst_dt[di][0], s.err);
     worst_dt[di][1] = std::max(worst_dt[di][1], s.naive_err);
     if (di == 0 && s.naive_err > 0) worst_ratio = std::max(worst_ratio, (s.err - 1e-6) / s.naive_err);
+    if (di == 0 && s.naive_err > 0 && (s.err - 1e-6) / s.naive_err > 1.5) std::printf("  close: %s err %.3g naive %.3g\n", c.str().c_str(), s.err, s.naive_err);
     worst.err = std::max(worst.err, s.err);
     worst.naive_err = std::max(worst.naive_err, s.naive_err);
     if (::testing::Test::HasFailure()) {

@@ -24,7 +24,8 @@
 // registers, rescaled by alpha on load, accumulating over the tile's keys.
 // Online softmax per tile: m' = max(m, max_j s_j), alpha = exp(m - m'), p_j = exp(s_j - m'),
 // l = alpha l + sum_j p_j, O = alpha O + P V; after the last tile O /= l (one reciprocal per row)
-// and softmax_lse = m + log(l). Accumulation is fp32 throughout.
+// and softmax_lse = m + log(l) (the division of each element by l, once, at the end: one rounding).
+// Accumulation is fp32 throughout.
 //
 // Masks. Key tiles outside the union of the rows' [lo, hi) (causal, window, kv_lens) are never
 // read. A tile is "full" when every row of the block admits every key of it and no explicit mask
@@ -519,8 +520,8 @@ struct Engine {
       const float* o = w.o + r * Dvp;
       // Empty iff nothing was admitted: l == 0 exactly (a NaN score leaves m = -inf but l = NaN).
       const bool empty = w.l[r] == 0.0f;
-      const float inv = empty ? 0.0f : 1.0f / w.l[r];
-      store_out(p, row.out_off, o, inv, empty, Dv);
+      const float l = empty ? 1.0f : w.l[r];
+      store_out(p, row.out_off, o, l, empty, Dv);
       if (p.lse.data) {
         const float lse = empty ? -std::numeric_limits<float>::infinity() : w.m[r] + std::log(w.l[r]);
         store_scalar(p.lse.data, p.lse.dtype, row.lse_off, lse);
@@ -538,13 +539,13 @@ struct Engine {
     }
   }
 
-  static void store_out(const Problem& p, i64 off, const float* o, float inv, bool empty, i64 Dv) {
+  static void store_out(const Problem& p, i64 off, const float* o, float l, bool empty, i64 Dv) {
     const i64 sx = p.out.sx;
     if (p.out.dtype == DType::f32) {
       float* dst = static_cast<float*>(p.out.data) + off;
-      for (i64 x = 0; x < Dv; ++x) dst[x * sx] = empty ? 0.0f : o[x] * inv;
+      for (i64 x = 0; x < Dv; ++x) dst[x * sx] = empty ? 0.0f : o[x] / l;
     } else {
-      for (i64 x = 0; x < Dv; ++x) store_scalar(p.out.data, p.out.dtype, off + x * sx, empty ? 0.0f : o[x] * inv);
+      for (i64 x = 0; x < Dv; ++x) store_scalar(p.out.data, p.out.dtype, off + x * sx, empty ? 0.0f : o[x] / l);
     }
   }
 
@@ -658,23 +659,30 @@ struct Engine {
           nan = nan || std::isnan(src[Dvp + 1]);
           mx = std::max(mx, src[Dvp]);
         }
-        float* acc = w.o;  // this thread's accumulator row
-        for (i64 d = 0; d < Dvp; ++d) acc[d] = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-        float lsum = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+        // The merge accumulates in float64 (a few Dv-vectors per row: cheap), so it adds no
+        // rounding beyond the final one.
+        double* accd = reinterpret_cast<double*>(w.o);  // BQ * Dvp floats >= Dvp doubles
+        for (i64 d = 0; d < Dvp; ++d) accd[d] = 0.0;
+        double lsum = 0.0;
         if (any && !nan) {
           for (i64 c = 0; c < NC; ++c) {
             const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
             if (src[Dvp + 1] == 0.0f) continue;
-            const float a = std::exp(src[Dvp] - mx);
+            const double a = std::exp(static_cast<double>(src[Dvp]) - static_cast<double>(mx));
             lsum += a * src[Dvp + 1];
-            for (i64 d = 0; d < Dvp; ++d) acc[d] += a * src[d];
+            for (i64 d = 0; d < Dvp; ++d) accd[d] += a * src[d];
           }
         }
+        float* acc = w.vbuf;
+        for (i64 d = 0; d < Dvp; ++d)
+          acc[d] = nan ? std::numeric_limits<float>::quiet_NaN() : any ? static_cast<float>(accd[d] / lsum) : 0.0f;
         const Row row = make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
         const bool empty = !any;
-        store_out(p, row.out_off, acc, empty ? 0.0f : 1.0f / lsum, empty, p.Dv);
+        store_out(p, row.out_off, acc, 1.0f, empty, p.Dv);
         if (p.lse.data)
-          store_scalar(p.lse.data, p.lse.dtype, row.lse_off, empty ? neg_inf : mx + std::log(lsum));
+          store_scalar(p.lse.data, p.lse.dtype, row.lse_off,
+                       empty ? neg_inf : nan ? std::numeric_limits<float>::quiet_NaN()
+                                             : static_cast<float>(mx + std::log(lsum)));
       }
     }
   }

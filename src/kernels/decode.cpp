@@ -13,7 +13,8 @@
 // bounded to ~16 MiB), and the merge runs in chunk order, so results are bitwise identical for
 // any number of threads.
 //
-// Precision: as flash (src/kernels/flash.cpp): fp32 accumulation, the merge in fp32 with libm exp.
+// Precision: as flash (src/kernels/flash.cpp): fp32 accumulation within chunks; the merge of the
+// chunk partials in float64 (libm exp), rounded once to the output.
 // Accuracy contract (tests/test_decode.cpp): same tolerances as flash against the float64
 // reference; NaN at excluded keys never leaks; bitwise identical across thread counts.
 #include <memory>

@@ -58,7 +58,8 @@ struct Ops {
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
     y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    // 1 + (r + r^2 q(r)): the only rounding of a term of size 1 is the last one.
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     // 2^n for n in [-126, 127]: the exponent field.
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));

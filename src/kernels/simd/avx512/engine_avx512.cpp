@@ -68,7 +68,8 @@ struct Ops {
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    // 1 + (r + r^2 q(r)): the only rounding of a term of size 1 is the last one.
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     y = _mm512_scalef_ps(y, n);
     return _mm512_mask_blend_ps(under, y, _mm512_setzero_ps());
   }
