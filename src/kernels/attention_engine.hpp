@@ -251,6 +251,13 @@ struct Engine {
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const float pj = s[j * sp + r];
+        if constexpr (SKIP && Ops::kMaskedFma) {  // branch-free skip: FMA under a mask
+          const V pb = Ops::set1(pj);
+          const auto k = Ops::nonzero(pb);
+#pragma GCC unroll 4
+          for (int c = 0; c < NC; ++c) acc[r][c] = Ops::fma_mask(pb, vv[c], acc[r][c], k);
+          continue;
+        }
         if constexpr (SKIP) {
           if (pj == 0.0f) continue;
         }

@@ -74,6 +74,7 @@ struct Ops {
     const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
   }
+  static constexpr bool kMaskedFma = false;
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     std::int64_t x = 0;
     for (; x + 8 <= n; x += 8)

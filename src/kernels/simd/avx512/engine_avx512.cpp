@@ -78,6 +78,10 @@ struct Ops {
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
   }
   static float hsum(V x) { return _mm512_reduce_add_ps(x); }
+  // PV on partially masked tiles: lanes whose weight is 0 keep the accumulator (no 0 * NaN).
+  static constexpr bool kMaskedFma = true;
+  static __mmask16 nonzero(V p) { return _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ); }
+  static V fma_mask(V a, V b, V c, __mmask16 k) { return _mm512_mask3_fmadd_ps(a, b, c, k); }
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     std::int64_t x = 0;
     for (; x + 16 <= n; x += 16)

@@ -39,6 +39,7 @@ struct Ops {
     return lo <= g && g < hi ? x : -std::numeric_limits<float>::infinity();
   }
   static float hsum(V x) { return x; }
+  static constexpr bool kMaskedFma = false;
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     for (std::int64_t x = 0; x < n; ++x) d[x] = half_to_float(s[x]);
   }
