@@ -10,7 +10,7 @@
 //   - NaN pattern and empty rows (O = 0, lse = -inf) identical to the reference;
 //   - fp32/fp16: max |fast - ref| <= 2 max |naive - ref| + 1e-6 (out; lse: + one fp32 ulp + two
 //     typical score errors 2^-24 sqrt(D) scale max sum|q_d k_d|), the naive error
-//     being the worse of two summation orders (forward, backward);
+//     being the worst of three naive variants (forward, backward, forward with FMA);
 //     bf16 with the AVX512_BF16 path (P rounded to bf16): + a floor of max|v| / 256;
 //   - bitwise identical output for 1 and 2 threads.
 #include <gtest/gtest.h>
@@ -106,7 +106,7 @@ struct IsaCap {
 inline void naive_fp32(const detail::Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                        const std::vector<std::uint8_t>& admit, const std::vector<float>& add,
                        std::vector<double>& out, std::vector<double>& lse, bool reverse = false,
-                       double* max_abs_dot = nullptr) {
+                       double* max_abs_dot = nullptr, bool fused = false) {
   out.assign(p.B * p.Hq * p.Sq * p.Dv, 0.0);
   lse.assign(p.B * p.Hq * p.Sq, 0.0);
   std::vector<float> s(p.Sk), acc(p.Dv);
@@ -124,7 +124,7 @@ inline void naive_fp32(const detail::Problem& p, const TensorView& q, const Tens
             const std::int64_t d = reverse ? p.D - 1 - dd : dd;
             const float qd = static_cast<float>(get(q, off4(q, b, h, i, d)));
             const float kd = static_cast<float>(get(k, off4(k, b, hk, j, d)));
-            dot += qd * kd;
+            dot = fused ? std::fma(qd, kd, dot) : dot + qd * kd;
             absdot += std::abs(double(qd) * double(kd));
           }
           if (max_abs_dot && std::isfinite(absdot)) *max_abs_dot = std::max(*max_abs_dot, absdot);
@@ -145,7 +145,10 @@ inline void naive_fp32(const detail::Problem& p, const TensorView& q, const Tens
           if (!admit[row * p.Sk + j]) continue;
           const float e = std::exp(s[j] - mx);
           sum += e;
-          for (std::int64_t d = 0; d < p.Dv; ++d) acc[d] += e * static_cast<float>(get(v, off4(v, b, hk, j, d)));
+          for (std::int64_t d = 0; d < p.Dv; ++d) {
+            const float vd = static_cast<float>(get(v, off4(v, b, hk, j, d)));
+            acc[d] = fused ? std::fma(e, vd, acc[d]) : acc[d] + e * vd;
+          }
         }
         for (std::int64_t d = 0; d < p.Dv; ++d) out[row * p.Dv + d] = acc[d] / sum;
         lse[row] = mx + std::log(sum);
@@ -269,24 +272,28 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
   }
 
   qkv::reference::attention(q, k, v, out_ref, prm, lse_ref.view());
-  // The naive error: the worse of two summation orders (forward and backward over d and j), so
+  // The naive error: the worst of three naive variants (forward and backward summation over d and
+  // j, and forward with fused multiply-adds, as a compiler contracting a*b+c would produce), so
   // that one lucky rounding pattern of a small case does not set the bar.
-  std::vector<double> nout, nlse, nout2, nlse2;
+  std::vector<double> nout, nlse, nout2, nlse2, nout3, nlse3;
   double max_abs_dot = 0.0;
   naive_fp32(p, q, k, v, admit, add, nout, nlse, false, &max_abs_dot);
   naive_fp32(p, q, k, v, admit, add, nout2, nlse2, true);
+  naive_fp32(p, q, k, v, admit, add, nout3, nlse3, false, nullptr, true);
 
   Stats st;
   const double* ro = out_ref.data_as<double>();
   const double* rl = lse_ref.data_as<double>();
   for (std::int64_t x = 0; x < out_ref.numel(); ++x)
     if (std::isfinite(ro[x])) {
-      st.naive_err = std::max({st.naive_err, std::abs(nout[x] - ro[x]), std::abs(nout2[x] - ro[x])});
+      st.naive_err = std::max({st.naive_err, std::abs(nout[x] - ro[x]), std::abs(nout2[x] - ro[x]),
+                               std::abs(nout3[x] - ro[x])});
       st.vmax = std::max(st.vmax, std::abs(ro[x]));
     }
   for (std::int64_t x = 0; x < lse_ref.numel(); ++x)
     if (std::isfinite(rl[x]))
-      st.naive_lse_err = std::max({st.naive_lse_err, std::abs(nlse[x] - rl[x]), std::abs(nlse2[x] - rl[x])});
+      st.naive_lse_err = std::max({st.naive_lse_err, std::abs(nlse[x] - rl[x]), std::abs(nlse2[x] - rl[x]),
+                                   std::abs(nlse3[x] - rl[x])});
   double vabs = 0;
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.Hkv; ++h)

@@ -74,6 +74,15 @@ TEST(Flash, GqaPackedAndStrided) {
   }
 }
 
+// A soak case (outliers, D = 5, additive mask, packed QKV) whose errors set the naive bar.
+TEST(Flash, SoakRegressionOutliersSmallD) {
+  Config c;
+  c.Sq = c.Sk = 97; c.D = c.Dv = 5; c.causal = true; c.align = Alignment::top_left; c.mask = 2;
+  c.outliers = true; c.layout = 2; c.partial_nan = true; c.seed = 7474264122529961047ull;
+  const Stats s = run_case(c, KernelKind::flash);
+  std::printf("fast error %.3g, naive error %.3g\n", s.err, s.naive_err);
+}
+
 TEST(Flash, DISABLED_Soak) {
   const char* e = std::getenv("QKV_SOAK_N");
   const int n = e ? std::atoi(e) : 2000;
