@@ -3,6 +3,7 @@
 #include <array>
 
 #include "qkv/error.hpp"
+#include "dispatch/cpu_features.hpp"
 #include "kernels/kernels.hpp"
 #include "reference/reference_kernel.hpp"
 
@@ -38,7 +39,10 @@ Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs) {
     }
     if (!c.kernel) {
       c.kernel = &k;
-      c.explanation += std::string(k.name) + ": chosen\n";
+      // The fast kernels also say which instruction-set level runs them.
+      c.explanation += std::string(k.name) + ": chosen" +
+                       (k.kind == KernelKind::reference ? std::string() : std::string(" (") + isa_name(active_isa()) + ")") +
+                       "\n";
     } else {
       c.explanation += std::string(k.name) + ": usable, lower priority\n";
     }
