@@ -18,6 +18,8 @@
 // bf16 (round to nearest even) and packed as (key, key+1) pairs per query, V packed as
 // (key, key+1) pairs per column, vdpbf16ps accumulating in fp32. Products of bf16 values are
 // exact in fp32; the only extra rounding is that of P (relative 2^-9), see docs/accuracy.md.
+// GCC 12 reports its own AVX-512 intrinsics' undefined pass-through operand as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
 #include <cmath>
