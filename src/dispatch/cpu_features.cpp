@@ -1,5 +1,10 @@
 #include "dispatch/cpu_features.hpp"
 
+#include <atomic>
+#include <cstdlib>
+#include <algorithm>
+#include <cstring>
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
 #endif
@@ -74,5 +79,74 @@ const CpuFeatures& cpu_features() noexcept {
   static const CpuFeatures f = capped(detect(), std::getenv("QKV_ISA"));
   return f;
 }
+
+const char* isa_name(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::avx512bf16: return "avx512bf16";
+  }
+  return "?";
+}
+
+bool isa_compiled(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::scalar: return true;
+#if defined(QKV_HAVE_AVX2)
+    case Isa::avx2: return true;
+#endif
+#if defined(QKV_HAVE_AVX512)
+    case Isa::avx512: return true;
+    case Isa::avx512bf16: return true;
+#endif
+    default: return false;
+  }
+}
+
+bool isa_supported(Isa isa) noexcept {
+  const CpuFeatures& f = cpu_features();
+  switch (isa) {
+    case Isa::scalar: return true;
+    case Isa::avx2: return f.avx2_fma();
+    case Isa::avx512: return f.avx512() && f.avx2_fma();
+    case Isa::avx512bf16: return f.avx512() && f.avx2_fma() && f.avx512bf16;
+  }
+  return false;
+}
+
+namespace {
+
+// The cap from QKV_ISA, read once; an unknown value is ignored (no cap).
+int env_cap() noexcept {
+  static const int cap = [] {
+    const char* e = std::getenv("QKV_ISA");
+    if (!e) return 3;
+    if (!std::strcmp(e, "scalar")) return 0;
+    if (!std::strcmp(e, "avx2")) return 1;
+    if (!std::strcmp(e, "avx512")) return 2;
+    return 3;
+  }();
+  return cap;
+}
+
+std::atomic<int> g_cap{3};
+
+}  // namespace
+
+Isa active_isa() noexcept {
+  const int cap = std::min(env_cap(), g_cap.load(std::memory_order_relaxed));
+  for (int l = cap; l > 0; --l)
+    if (isa_compiled(static_cast<Isa>(l)) && isa_supported(static_cast<Isa>(l))) return static_cast<Isa>(l);
+  return Isa::scalar;
+}
+
+Isa set_isa_cap(Isa cap) noexcept {
+  const Isa before = active_isa();
+  g_cap.store(static_cast<int>(cap), std::memory_order_relaxed);
+  return before;
+}
+
+void reset_isa_cap() noexcept { g_cap.store(3, std::memory_order_relaxed); }
 
 }  // namespace qkv::detail

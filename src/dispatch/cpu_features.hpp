@@ -15,7 +15,27 @@ struct CpuFeatures {
   std::string to_string() const;
 };
 
-/// Detected once; QKV_ISA=avx512|avx2|scalar in the environment caps what is reported usable.
+/// Detected once (the CPU as it is, whatever QKV_ISA says).
 const CpuFeatures& cpu_features() noexcept;
+
+/// Instruction-set levels of the fast kernels, lowest first. avx512bf16 is avx512 plus the
+/// AVX512_BF16 dot product (vdpbf16ps) for bfloat16 inputs.
+enum class Isa : int { scalar = 0, avx2 = 1, avx512 = 2, avx512bf16 = 3 };
+
+/// "scalar", "avx2", "avx512", "avx512bf16".
+const char* isa_name(Isa isa) noexcept;
+/// Whether this build contains code for `isa` (avx2/avx512 only on x86-64 builds).
+bool isa_compiled(Isa isa) noexcept;
+/// Whether this CPU can run `isa` (ignoring caps).
+bool isa_supported(Isa isa) noexcept;
+/// The level the fast kernels use: the best level compiled and supported, capped by the
+/// environment variable QKV_ISA=scalar|avx2|avx512|avx512bf16 (read once) and by
+/// set_isa_cap(). Never above what the CPU supports.
+Isa active_isa() noexcept;
+/// Caps active_isa() for this process (tests use it to run every level in turn); nullopt-like
+/// reset with `reset_isa_cap()`. Returns the previous effective level. Not meant to be changed
+/// while attention calls run on other threads.
+Isa set_isa_cap(Isa cap) noexcept;
+void reset_isa_cap() noexcept;
 
 }  // namespace qkv::detail

@@ -3,6 +3,8 @@
 #include <array>
 
 #include "qkv/error.hpp"
+#include "dispatch/cpu_features.hpp"
+#include "kernels/kernels.hpp"
 #include "reference/reference_kernel.hpp"
 
 namespace qkv::detail {
@@ -21,7 +23,9 @@ const char* kind_name(KernelKind k) {
 std::string reference_refuse(const Problem&, bool) { return {}; }
 std::string reference_describe() { return "float64 loops, always usable"; }
 
-const std::array<KernelEntry, 1> kRegistry = {{
+const std::array<KernelEntry, 3> kRegistry = {{
+    {"decode", KernelKind::decode, decode_refuse, decode_kernel, decode_describe},
+    {"flash", KernelKind::flash, flash_refuse, flash_kernel, flash_describe},
     {"reference", KernelKind::reference, reference_refuse, reference_kernel, reference_describe},
 }};
 
@@ -45,7 +49,10 @@ Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs) {
     }
     if (!c.kernel) {
       c.kernel = &k;
-      c.explanation += std::string(k.name) + ": chosen\n";
+      // The fast kernels also say which instruction-set level runs them.
+      c.explanation += std::string(k.name) + ": chosen" +
+                       (k.kind == KernelKind::reference ? std::string() : std::string(" (") + isa_name(active_isa()) + ")") +
+                       "\n";
     } else {
       c.explanation += std::string(k.name) + ": usable, lower priority\n";
     }

@@ -1,0 +1,753 @@
+#pragma once
+// The tiled attention engine shared by the `flash` and `decode` kernels. ISA-independent: it is
+// included by one translation unit per ISA (src/kernels/simd/<isa>/engine_<isa>.cpp), which
+// first defines QKV_ENGINE_NS (a namespace private to that ISA, so that no inline function is
+// shared between translation units compiled with different instruction sets) and a struct
+// `Ops` giving the vector type, its width, the tile sizes (the per-ISA constexpr traits) and
+// the vector primitives (load, store, fma, max, exp, ...).
+//
+// Algorithm: FlashAttention-2 forward, Dao 2023, "FlashAttention-2: Faster Attention with Better
+// Parallelism and Work Partitioning", Algorithm 1; the decode split is flash-decoding (Dao,
+// Haziza, Massa, Sizov 2023), partial results merged by their log-sum-exp.
+//
+// Tiling. A block of up to Ops::kBq query rows is processed against the admissible keys in
+// tiles of Ops::kBk keys. Per thread, in its workspace:
+//   qt  [D][SP]      the block's queries transposed (SP = rows rounded up to the vector width);
+//                    bf16 dot path: qp [ceil(D/2)][SP] bf16 pairs
+//   s   [kBk][SP]    scores of one tile, transposed (key-major): the vectors run over queries,
+//                    so the row max and row sum of the online softmax are vertical operations
+//   o   [kBq][Dvp]   the unnormalised output accumulator (Dvp = Dv rounded up to the width)
+//   m, l, alpha      running max, running sum, rescale factor per row (fp32)
+//   kbuf, vbuf       K/V tiles converted to fp32 (only for fp16/bf16 inputs or a Dv tail)
+// QK^T: outer products over d (broadcast one K element, FMA with a vector of queries), MR keys x
+// NQV query vectors of accumulators in registers. PV: MR query rows x NC vectors of Dv in
+// registers, rescaled by alpha on load, accumulating over the tile's keys.
+// Online softmax per tile: m' = max(m, max_j s_j), alpha = exp(m - m'), p_j = exp(s_j - m'),
+// l = alpha l + sum_j p_j, O = alpha O + P V; after the last tile O /= l (one reciprocal per row)
+// and softmax_lse = m + log(l) (the division of each element by l, once, at the end: one rounding).
+// Accumulation is fp32 throughout.
+//
+// Masks. Key tiles outside the union of the rows' [lo, hi) (causal, window, kv_lens) are never
+// read. A tile is "full" when every row of the block admits every key of it and no explicit mask
+// is given; otherwise a scalar pass sets excluded scores to -inf (select, never add, so NaN
+// computed from an excluded K row is discarded) and the PV product skips zero weights, so NaN or
+// inf stored in an excluded V row never meets a 0 weight (0 * NaN). Softcap and explicit masks
+// go through the same scalar pass (tanh from libm).
+//
+// bf16 inputs with the AVX512_BF16 dot product (Ops::kHasDpbf16 and bf16_dot): QK^T uses
+// vdpbf16ps on (d, d+1) pairs of Q (packed) and K (read in place); PV converts P to bf16 and
+// uses vdpbf16ps with V repacked as (key, key+1) pairs. Partially masked tiles use the fp32 PV
+// with V converted, for the zero-weight skip.
+//
+// Threads (OpenMP): flash: one work item per (batch, head, query block), dynamically scheduled,
+// largest causal blocks first; decode: one item per (batch, KV head, row block, key chunk), where
+// the rows are all query heads of one KV head times Sq (K and V read once per KV head) and the
+// chunk size depends only on the problem; the chunk partials are merged in chunk order. No result
+// depends on the number of threads or on the schedule.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "api/problem.hpp"
+
+#ifndef QKV_ENGINE_NS
+#error "define QKV_ENGINE_NS before including attention_engine.hpp"
+#endif
+
+namespace qkv::detail::QKV_ENGINE_NS {
+
+using i64 = std::int64_t;
+
+enum class Elt { f32, bf16, f16 };
+
+inline constexpr std::size_t kAlign = 64;
+inline std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+inline i64 round_up(i64 n, i64 m) { return (n + m - 1) / m * m; }
+
+/// One query row of a block: where it comes from, what it may attend, where it goes.
+struct Row {
+  i64 q_off;          // element offset of the row in q
+  i64 lo, hi;         // admissible key range (causal, window, kv_lens)
+  i64 mask_off;       // element offset of (b, h, i, 0) in the mask
+  i64 out_off;        // element offset of (b, h, i, 0) in out
+  i64 lse_off;        // element offset of (b, h, i) in softmax_lse
+};
+
+inline float bf16_bits_to_float(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <class Ops>
+struct Engine {
+  using V = typename Ops::V;
+  static constexpr int W = Ops::W;
+  static constexpr int BQ = Ops::kBq;
+  static constexpr int BK = Ops::kBk;
+  static constexpr int NQV_MAX = BQ / W;
+  // Blocks of at most this many rows use the dot-product form of QK^T (vector ISAs only).
+  static constexpr int kFewRows = W >= 8 ? 4 : 0;
+  static_assert(BQ % W == 0 && BK % 2 == 0);
+
+  // ---- workspace ---------------------------------------------------------------------------
+  struct Ws {
+    float* qt;          // [D][SP] fp32, or bf16 pairs [ceil(D/2)][SP] (as uint32)
+    float* qr;          // [BQ][D] fp32 query rows (dot-product form for a few rows)
+    float* s;           // [BK][BQ]
+    float* o;           // [BQ][Dvp]
+    float* m;           // [BQ]
+    float* l;           // [BQ]
+    float* alpha;       // [BQ]
+    float* lo_f;        // [BQ] admissible key range per row, as floats
+    float* hi_f;        // [BQ]
+    float* kbuf;        // [BK][Dp] fp32 (converted K rows; also a row buffer when packing Q)
+    float* vbuf;        // [BK][Dvp] fp32
+    std::uint32_t* pp;  // [BK/2][BQ] bf16 pairs of P
+    std::uint32_t* vp;  // [BK/2][Dvp] bf16 pairs of V
+    Row* rows;          // [BQ]
+  };
+
+  static i64 dvp(const Problem& p) { return round_up(p.Dv, W); }
+  static i64 dp(const Problem& p) { return round_up(p.D, 2); }
+
+  static std::size_t ws_bytes(const Problem& p) {
+    const std::size_t f = sizeof(float);
+    return 2 * align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
+           5 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
+           align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row));
+  }
+
+  static Ws carve(const Problem& p, char* base) {
+    Ws w;
+    const std::size_t f = sizeof(float);
+    auto take = [&](std::size_t n) { char* r = base; base += align_up(n); return r; };
+    w.qt = reinterpret_cast<float*>(take(dp(p) * BQ * f));
+    w.qr = reinterpret_cast<float*>(take(dp(p) * BQ * f));
+    w.s = reinterpret_cast<float*>(take(BK * (BQ + W) * f));
+    w.o = reinterpret_cast<float*>(take(BQ * dvp(p) * f));
+    w.m = reinterpret_cast<float*>(take(BQ * f));
+    w.l = reinterpret_cast<float*>(take(BQ * f));
+    w.alpha = reinterpret_cast<float*>(take(BQ * f));
+    w.lo_f = reinterpret_cast<float*>(take(BQ * f));
+    w.hi_f = reinterpret_cast<float*>(take(BQ * f));
+    w.kbuf = reinterpret_cast<float*>(take(BK * dp(p) * f));
+    w.vbuf = reinterpret_cast<float*>(take(BK * dvp(p) * f));
+    w.pp = reinterpret_cast<std::uint32_t*>(take(BK / 2 * BQ * 4));
+    w.vp = reinterpret_cast<std::uint32_t*>(take(BK / 2 * dvp(p) * 4));
+    w.rows = reinterpret_cast<Row*>(take(BQ * sizeof(Row)));
+    return w;
+  }
+
+  // ---- conversions -------------------------------------------------------------------------
+  template <Elt E>
+  static void to_f32(const void* src, i64 off, float* dst, i64 n) {
+    if constexpr (E == Elt::f32) {
+      std::memcpy(dst, static_cast<const float*>(src) + off, n * sizeof(float));
+    } else if constexpr (E == Elt::bf16) {
+      const std::uint16_t* s = static_cast<const std::uint16_t*>(src) + off;
+      for (i64 x = 0; x < n; ++x) dst[x] = bf16_bits_to_float(s[x]);
+    } else {
+      Ops::f16_to_f32(static_cast<const std::uint16_t*>(src) + off, dst, n);
+    }
+  }
+
+  // ---- microkernels (fp32) -----------------------------------------------------------------
+  // S[j][c*W..] = sum_d K[j][d] * Qt[d][c*W..] for MR keys j and NQV query vectors c.
+  template <int NQV, int MR>
+  static void qk_mk(const float* qt, int sp, const float* k, i64 ks, i64 D, float* s, int ssp) {
+    V acc[MR][NQV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NQV; ++c) acc[r][c] = Ops::zero();
+    for (i64 d = 0; d < D; ++d) {
+      V qv[NQV];
+#pragma GCC unroll 4
+      for (int c = 0; c < NQV; ++c) qv[c] = Ops::load(qt + d * sp + c * W);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        const V kb = Ops::set1(k[r * ks + d]);
+#pragma GCC unroll 4
+        for (int c = 0; c < NQV; ++c) acc[r][c] = Ops::fma(kb, qv[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NQV; ++c) Ops::store(s + r * ssp + c * W, acc[r][c]);
+  }
+
+  template <int NQV>
+  static void qk_rows(const float* qt, int sp, const float* k, i64 ks, i64 D, int kt, float* s, int ssp) {
+    constexpr int MR0 = Ops::kAccRegs / NQV > 16 ? 16 : Ops::kAccRegs / NQV;
+    constexpr int MR = MR0 < 1 ? 1 : MR0;
+    int j = 0;
+    for (; j + MR <= kt; j += MR) qk_mk<NQV, MR>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+    for (; j + 2 <= kt; j += 2) qk_mk<NQV, 2>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+    for (; j < kt; ++j) qk_mk<NQV, 1>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+  }
+
+  static void qk_tile(const float* qt, int nqv, const float* k, i64 ks, i64 D, int kt, float* s, int ssp) {
+    const int sp = nqv * W;
+    static_assert(NQV_MAX <= 8);
+    switch (nqv) {
+      case 1: qk_rows<1>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 2: if constexpr (NQV_MAX >= 2) qk_rows<2>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 3: if constexpr (NQV_MAX >= 3) qk_rows<3>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 4: if constexpr (NQV_MAX >= 4) qk_rows<4>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 5: if constexpr (NQV_MAX >= 5) qk_rows<5>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 6: if constexpr (NQV_MAX >= 6) qk_rows<6>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 7: if constexpr (NQV_MAX >= 7) qk_rows<7>(qt, sp, k, ks, D, kt, s, ssp); break;
+      case 8: if constexpr (NQV_MAX >= 8) qk_rows<8>(qt, sp, k, ks, D, kt, s, ssp); break;
+      default: break;
+    }
+  }
+
+  // Few rows (decode): S[j][r] = q_r . k_j as dot products along D (vectors over d, one
+  // horizontal sum per score), so a lone query does not waste the vector lanes of qk_tile.
+  static void qk_dot(const float* qr, int n, int sp, i64 D, const float* k, i64 ks, int kt, float* s, int ssp) {
+    const i64 Dm = D / W * W;
+    for (int j = 0; j < kt; ++j) {
+      const float* kj = k + j * ks;
+      for (int r = 0; r < n; ++r) {
+        const float* q = qr + r * D;
+        V a0 = Ops::zero(), a1 = Ops::zero();
+        i64 d = 0;
+        for (; d + 2 * W <= Dm; d += 2 * W) {
+          a0 = Ops::fma(Ops::load(q + d), Ops::load(kj + d), a0);
+          a1 = Ops::fma(Ops::load(q + d + W), Ops::load(kj + d + W), a1);
+        }
+        for (; d < Dm; d += W) a0 = Ops::fma(Ops::load(q + d), Ops::load(kj + d), a0);
+        float x = Ops::hsum(Ops::add(a0, a1));
+        for (; d < D; ++d) x += q[d] * kj[d];
+        s[j * ssp + r] = x;
+      }
+      for (int r = n; r < sp; ++r) s[j * ssp + r] = 0.0f;
+    }
+  }
+
+  // O[r][c*W..] = alpha[r] O[r][c*W..] + sum_j P[j][r] V[j][c*W..] for MR rows, NC vectors.
+  // SKIP: a zero weight adds nothing (so 0 * NaN from an excluded V row never happens).
+  template <int MR, int NC, bool SKIP>
+  static void pv_mk(const float* s, int sp, const float* v, i64 vs, int kt, float* o, i64 os,
+                    const float* alpha) {
+    V acc[MR][NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const V a = Ops::set1(alpha[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc[r][c] = Ops::mul(Ops::load(o + r * os + c * W), a);
+    }
+    for (int j = 0; j < kt; ++j) {
+      V vv[NC];
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) vv[c] = Ops::load(v + j * vs + c * W);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const float pj = s[j * sp + r];
+        if constexpr (SKIP && Ops::kMaskedFma) {  // branch-free skip: FMA under a mask
+          const V pb = Ops::set1(pj);
+          const auto k = Ops::nonzero(pb);
+#pragma GCC unroll 4
+          for (int c = 0; c < NC; ++c) acc[r][c] = Ops::fma_mask(pb, vv[c], acc[r][c], k);
+          continue;
+        }
+        if constexpr (SKIP) {
+          if (pj == 0.0f) continue;
+        }
+        const V pb = Ops::set1(pj);
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) acc[r][c] = Ops::fma(pb, vv[c], acc[r][c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) Ops::store(o + r * os + c * W, acc[r][c]);
+  }
+
+  // Column chunks outermost: one chunk of the V tile (kBk x NC vectors) stays in L1 while every
+  // row group of the block streams over it.
+  template <int NC, bool SKIP>
+  static void pv_cols(const float* s, int sp, const float* v, i64 vs, int kt, float* o, i64 os,
+                      const float* alpha, int n) {
+    constexpr int MR = Ops::kAccRegs / Ops::kPvCols;
+    int r = 0;
+    for (; r + MR <= n; r += MR) pv_mk<MR, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
+    for (; r + 2 <= n; r += 2) pv_mk<2, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
+    for (; r < n; ++r) pv_mk<1, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
+  }
+
+  template <bool SKIP>
+  static void pv_tile(const float* s, int sp, const float* v, i64 vs, int kt, float* o, i64 os,
+                      const float* alpha, int n, int nvec) {
+    constexpr int NC = Ops::kPvCols;
+    int c = 0;
+    for (; c + NC <= nvec; c += NC) pv_cols<NC, SKIP>(s, sp, v + c * W, vs, kt, o + c * W, os, alpha, n);
+    for (; c < nvec; ++c) pv_cols<1, SKIP>(s, sp, v + c * W, vs, kt, o + c * W, os, alpha, n);
+  }
+
+  // Online-softmax update of one tile: scores (times `mul`) -> weights, running m and l, alpha.
+  static void softmax_tile(float* s, int sp, int kt, int nqv, float mul, float* m, float* l,
+                           float* alpha) {
+    const V vmul = Ops::set1(mul);
+    for (int c = 0; c < nqv; ++c) {
+      float* sc = s + c * W;
+      V mx = Ops::set1(-std::numeric_limits<float>::infinity());
+      if (mul != 1.0f) {
+        for (int j = 0; j < kt; ++j) {
+          const V x = Ops::mul(Ops::load(sc + j * sp), vmul);
+          Ops::store(sc + j * sp, x);
+          mx = Ops::max(mx, x);
+        }
+      } else {
+        for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::load(sc + j * sp));
+      }
+      const V mo = Ops::load(m + c * W);
+      const V mn = Ops::max(mo, mx);
+      const V ms = Ops::safe_max(mn);  // -inf (nothing admitted yet) -> 0, so exp(-inf - 0) = 0
+      const V a = Ops::exp(Ops::sub(mo, ms));
+      V sum0 = Ops::zero(), sum1 = Ops::zero();
+      int j = 0;
+      for (; j + 2 <= kt; j += 2) {
+        const V p0 = Ops::exp(Ops::sub(Ops::load(sc + j * sp), ms));
+        const V p1 = Ops::exp(Ops::sub(Ops::load(sc + (j + 1) * sp), ms));
+        Ops::store(sc + j * sp, p0);
+        Ops::store(sc + (j + 1) * sp, p1);
+        sum0 = Ops::add(sum0, p0);
+        sum1 = Ops::add(sum1, p1);
+      }
+      if (j < kt) {
+        const V p0 = Ops::exp(Ops::sub(Ops::load(sc + j * sp), ms));
+        Ops::store(sc + j * sp, p0);
+        sum0 = Ops::add(sum0, p0);
+      }
+      Ops::store(l + c * W, Ops::fma(Ops::load(l + c * W), a, Ops::add(sum0, sum1)));
+      Ops::store(m + c * W, mn);
+      Ops::store(alpha + c * W, a);
+    }
+  }
+
+  // ---- the block processor -----------------------------------------------------------------
+  struct Block {
+    i64 b, hk;       // batch, KV head
+    int n;           // rows
+    i64 ka, kb;      // key range to process (already intersected with the rows' union)
+    i64 max_lo, min_hi;
+  };
+
+  // Rows of `blk` against keys [blk.ka, blk.kb): leaves the unnormalised O, m and l in `w`.
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void process(const Problem& p, const Block& blk, const Ws& w) {
+    const int n = blk.n;
+    const int nqv = (n + W - 1) / W;
+    const int sp = nqv * W;
+    const int ssp = sp + W;  // score pitch off a power of two (L1 set conflicts)
+    const i64 D = p.D, Dv = p.Dv, Dvp = dvp(p);
+    const int nvec = static_cast<int>(Dvp / W);
+    const float scale = static_cast<float>(p.scale);
+    const float cap = static_cast<float>(p.softcap);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+
+    for (int r = 0; r < BQ; ++r) { w.m[r] = neg_inf; w.l[r] = 0.0f; }
+    for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
+    if (blk.ka >= blk.kb) return;
+
+    // A few rows: dot-product form (vectors along D) instead of outer products over queries.
+    const bool few = n <= kFewRows;
+    // Pack Q: transposed fp32 (or bf16 pairs for the dot-product path), padded rows zero.
+    if constexpr (DP) {
+      std::uint32_t* qp = reinterpret_cast<std::uint32_t*>(w.qt);
+      const i64 D2 = (D + 1) / 2;
+      for (i64 x = 0; x < D2 * sp; ++x) qp[x] = 0;
+      for (int r = 0; r < n; ++r) {
+        const std::uint16_t* q = static_cast<const std::uint16_t*>(p.q.data) + w.rows[r].q_off;
+        for (i64 d = 0; d < D; ++d)
+          qp[(d / 2) * sp + r] |= static_cast<std::uint32_t>(q[d]) << (16 * (d & 1));
+      }
+    } else if (few) {
+      for (int r = 0; r < n; ++r) to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
+    } else {
+      for (i64 x = 0; x < D * sp; ++x) w.qt[x] = 0.0f;
+      for (int r = 0; r < n; ++r) {
+        to_f32<E>(p.q.data, w.rows[r].q_off, w.kbuf, D);
+        for (i64 d = 0; d < D; ++d) w.qt[d * sp + r] = w.kbuf[d];
+      }
+    }
+
+    // Row ranges as floats for the vector select (exact while key indices stay below 2^24).
+    const bool vec_ranges = blk.kb < (i64{1} << 24);
+    if (vec_ranges)
+      for (int r = 0; r < sp; ++r) {
+        w.lo_f[r] = r < n ? static_cast<float>(w.rows[r].lo) : -1e30f;
+        w.hi_f[r] = r < n ? static_cast<float>(w.rows[r].hi) : 1e30f;
+      }
+    const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
+    const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
+    const bool v_inplace = E == Elt::f32 && Dv % W == 0;
+
+    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) {
+      const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
+      const int kt = static_cast<int>(t1 - t0);
+      const bool full = !MASK && t0 >= blk.max_lo && t1 <= blk.min_hi;
+
+      // S = Q K^T for this tile.
+      if constexpr (DP) {
+        Ops::qk_bf16(reinterpret_cast<const std::uint32_t*>(w.qt), nqv,
+                     static_cast<const std::uint16_t*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
+                     kt, w.s, ssp);
+      } else {
+        const float* kt_ptr;
+        i64 kstride;
+        if constexpr (E == Elt::f32) {
+          kt_ptr = static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss;
+          kstride = p.k.ss;
+        } else {
+          for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
+          kt_ptr = w.kbuf;
+          kstride = D;
+        }
+        if (few) qk_dot(w.qr, n, sp, D, kt_ptr, kstride, kt, w.s, ssp);
+        else qk_tile(w.qt, nqv, kt_ptr, kstride, D, kt, w.s, ssp);
+      }
+
+      // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).
+      float mul = scale;
+      if (!full && !MASK && !CAP && vec_ranges) {
+        // Causal/window/kv_lens edges only: a vector select per query vector.
+        mul = 1.0f;
+        for (int c = 0; c < nqv; ++c) {
+          const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W), vs = Ops::set1(scale);
+          for (int j = 0; j < kt; ++j) {
+            float* x = w.s + j * ssp + c * W;
+            Ops::store(x, Ops::range_select(Ops::mul(Ops::load(x), vs), lo, hi, Ops::set1(static_cast<float>(t0 + j))));
+          }
+        }
+      } else if (!full || CAP) {
+        mul = 1.0f;
+        for (int r = 0; r < n; ++r) {
+          const Row& row = w.rows[r];
+          for (int j = 0; j < kt; ++j) {
+            const i64 g = t0 + j;
+            float& x = w.s[j * ssp + r];
+            bool ok = g >= row.lo && g < row.hi;
+            float add = 0.0f;
+            if constexpr (MASK) {
+              const i64 mo = row.mask_off + g * p.mask.sk;
+              if (p.mask.dtype == DType::b8) {
+                ok = ok && static_cast<const std::uint8_t*>(p.mask.data)[mo] != 0;
+              } else {
+                add = p.mask.dtype == DType::f32 ? static_cast<const float*>(p.mask.data)[mo]
+                                                 : static_cast<float>(static_cast<const double*>(p.mask.data)[mo]);
+                ok = ok && add != neg_inf;
+              }
+            }
+            float y = x * scale;
+            if constexpr (CAP) y = cap * std::tanh(y / cap);
+            x = ok ? y + add : neg_inf;
+          }
+        }
+        // Padded rows (r >= n) keep their scores of the zero query (0): finite, never stored.
+      }
+
+      softmax_tile(w.s, ssp, kt, nqv, mul, w.m, w.l, w.alpha);
+
+      // O = alpha O + P V.
+      if constexpr (DP) {
+        if (full) {
+          Ops::pack_p_bf16(w.s, ssp, nqv, kt, w.pp);
+          Ops::pack_v_bf16(static_cast<const std::uint16_t*>(p.v.data) + v_base + t0 * p.v.ss, p.v.ss,
+                           Dv, nvec, kt, w.vp);
+          Ops::pv_bf16(w.pp, sp, w.vp, nvec, (kt + 1) / 2, w.o, Dvp, w.alpha, n);
+          continue;
+        }
+      }
+      const float* vt;
+      i64 vs;
+      if (v_inplace) {
+        vt = static_cast<const float*>(p.v.data) + v_base + t0 * p.v.ss;
+        vs = p.v.ss;
+      } else {
+        for (int j = 0; j < kt; ++j) {
+          float* dst = w.vbuf + j * Dvp;
+          to_f32<E>(p.v.data, v_base + (t0 + j) * p.v.ss, dst, Dv);
+          for (i64 x = Dv; x < Dvp; ++x) dst[x] = 0.0f;
+        }
+        vt = w.vbuf;
+        vs = Dvp;
+      }
+      if (full)
+        pv_tile<false>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec);
+      else
+        pv_tile<true>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec);
+    }
+  }
+
+  // ---- rows and ranges -----------------------------------------------------------------------
+  static Row make_row(const Problem& p, i64 b, i64 h, i64 i) {
+    Row r;
+    r.q_off = b * p.q.sb + h * p.q.sh + i * p.q.ss;
+    p.key_range(b, i, r.lo, r.hi);
+    r.mask_off = b * p.mask.sb + h * p.mask.sh + i * p.mask.sq;
+    r.out_off = b * p.out.sb + h * p.out.sh + i * p.out.ss;
+    r.lse_off = b * p.lse.sb + h * p.lse.sh + i * p.lse.ss;
+    return r;
+  }
+
+  static void block_range(const Ws& w, int n, i64& lo_min, i64& hi_max, i64& max_lo, i64& min_hi) {
+    lo_min = std::numeric_limits<i64>::max();
+    hi_max = std::numeric_limits<i64>::min();
+    max_lo = std::numeric_limits<i64>::min();
+    min_hi = std::numeric_limits<i64>::max();
+    for (int r = 0; r < n; ++r) {
+      const Row& row = w.rows[r];
+      if (row.lo >= row.hi) continue;  // an empty row constrains nothing
+      lo_min = std::min(lo_min, row.lo);
+      hi_max = std::max(hi_max, row.hi);
+      max_lo = std::max(max_lo, row.lo);
+      min_hi = std::min(min_hi, row.hi);
+    }
+    if (lo_min > hi_max) { lo_min = hi_max = 0; }
+    // A tile is full only if every row admits all of it, empty rows included.
+    for (int r = 0; r < n; ++r)
+      if (w.rows[r].lo >= w.rows[r].hi) { max_lo = std::numeric_limits<i64>::max(); min_hi = 0; }
+  }
+
+  // Normalises the accumulator and writes out and softmax_lse.
+  static void finish(const Problem& p, const Ws& w, int n) {
+    const i64 Dv = p.Dv, Dvp = dvp(p);
+    for (int r = 0; r < n; ++r) {
+      const Row& row = w.rows[r];
+      const float* o = w.o + r * Dvp;
+      // Empty iff nothing was admitted: l == 0 exactly (a NaN score leaves m = -inf but l = NaN).
+      const bool empty = w.l[r] == 0.0f;
+      const float l = empty ? 1.0f : w.l[r];
+      store_out(p, row.out_off, o, l, empty, Dv);
+      if (p.lse.data) {
+        const float lse = empty ? -std::numeric_limits<float>::infinity() : w.m[r] + std::log(w.l[r]);
+        store_scalar(p.lse.data, p.lse.dtype, row.lse_off, lse);
+      }
+    }
+  }
+
+  static void store_scalar(void* data, DType dt, i64 off, float x) {
+    switch (dt) {
+      case DType::f32: static_cast<float*>(data)[off] = x; break;
+      case DType::f64: static_cast<double*>(data)[off] = x; break;
+      case DType::bf16: static_cast<std::uint16_t*>(data)[off] = float_to_bf16(x); break;
+      case DType::f16: static_cast<std::uint16_t*>(data)[off] = float_to_half(x); break;
+      default: break;
+    }
+  }
+
+  static void store_out(const Problem& p, i64 off, const float* o, float l, bool empty, i64 Dv) {
+    const i64 sx = p.out.sx;
+    if (p.out.dtype == DType::f32) {
+      float* dst = static_cast<float*>(p.out.data) + off;
+      for (i64 x = 0; x < Dv; ++x) dst[x * sx] = empty ? 0.0f : o[x] / l;
+    } else {
+      for (i64 x = 0; x < Dv; ++x) store_scalar(p.out.data, p.out.dtype, off + x * sx, empty ? 0.0f : o[x] / l);
+    }
+  }
+
+  // ---- flash: the whole problem --------------------------------------------------------------
+  static std::size_t flash_ws(const Problem& p, int threads) { return ws_bytes(p) * threads; }
+
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void flash_impl(const Problem& p, char* ws, int threads) {
+    const i64 nqb = (p.Sq + BQ - 1) / BQ;
+    const i64 per_qb = p.B * p.Hq;
+    const i64 items = nqb * per_qb;
+    const std::size_t wsb = ws_bytes(p);
+#pragma omp parallel num_threads(threads)
+    {
+      const Ws w = carve(p, ws + wsb * omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+      for (i64 it = 0; it < items; ++it) {
+        // Last query blocks first: under causal masks they see the most keys.
+        const i64 qb = nqb - 1 - it / per_qb;
+        const i64 bh = it % per_qb;
+        const i64 b = bh / p.Hq, h = bh % p.Hq;
+        const i64 i0 = qb * BQ;
+        const int n = static_cast<int>(std::min<i64>(BQ, p.Sq - i0));
+        for (int r = 0; r < n; ++r) w.rows[r] = make_row(p, b, h, i0 + r);
+        Block blk;
+        blk.b = b;
+        blk.hk = p.kv_head(h);
+        blk.n = n;
+        block_range(w, n, blk.ka, blk.kb, blk.max_lo, blk.min_hi);
+        process<E, DP, MASK, CAP>(p, blk, w);
+        finish(p, w, n);
+      }
+    }
+  }
+
+  // ---- decode: flash-decoding ------------------------------------------------------------------
+  // Rows of one (b, KV head): r = g * Sq + i for the G query heads g of the group.
+  static i64 decode_rows(const Problem& p) { return p.group() * p.Sq; }
+  static i64 decode_chunk(const Problem& p) {
+    // Fixed by the problem alone: at most 64 chunks per (b, KV head), at least 4 tiles each,
+    // and partials bounded to about 16 MiB.
+    const i64 per_chunk_bytes = p.B * p.Hq * p.Sq * (dvp(p) + 2) * 4;
+    const i64 max_chunks = std::clamp<i64>((i64{16} << 20) / std::max<i64>(per_chunk_bytes, 1), 1, 64);
+    const i64 c = std::max<i64>((p.Sk + max_chunks - 1) / max_chunks, 4 * BK);
+    return round_up(c, BK);
+  }
+  static i64 decode_nchunks(const Problem& p) {
+    return std::max<i64>(1, (p.Sk + decode_chunk(p) - 1) / decode_chunk(p));
+  }
+  static std::size_t decode_ws(const Problem& p, int threads) {
+    const i64 parts = p.B * p.Hq * p.Sq * decode_nchunks(p);
+    return ws_bytes(p) * threads + align_up(parts * (dvp(p) + 2) * sizeof(float));
+  }
+
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void decode_impl(const Problem& p, char* ws, int threads) {
+    const i64 R = decode_rows(p);
+    const i64 nrb = (R + BQ - 1) / BQ;
+    const i64 C = decode_chunk(p), NC = decode_nchunks(p);
+    const i64 Dvp = dvp(p);
+    const std::size_t wsb = ws_bytes(p);
+    // partials: [b][hk][chunk][R] rows of (Dvp accumulators, m, l)
+    float* parts = reinterpret_cast<float*>(ws + wsb * threads);
+    const i64 row_f = Dvp + 2;
+    const i64 items = p.B * p.Hkv * nrb * NC;
+    const i64 G = p.group();
+#pragma omp parallel num_threads(threads)
+    {
+      const Ws w = carve(p, ws + wsb * omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+      for (i64 it = 0; it < items; ++it) {
+        const i64 c = it % NC;
+        const i64 rb = (it / NC) % nrb;
+        const i64 bhk = it / (NC * nrb);
+        const i64 b = bhk / p.Hkv, hk = bhk % p.Hkv;
+        const i64 r0 = rb * BQ;
+        const int n = static_cast<int>(std::min<i64>(BQ, R - r0));
+        for (int r = 0; r < n; ++r) {
+          const i64 rr = r0 + r;
+          w.rows[r] = make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
+        }
+        Block blk;
+        blk.b = b;
+        blk.hk = hk;
+        blk.n = n;
+        i64 lo, hi;
+        block_range(w, n, lo, hi, blk.max_lo, blk.min_hi);
+        blk.ka = std::max(lo, c * C);
+        blk.kb = std::min(hi, (c + 1) * C);
+        process<E, DP, MASK, CAP>(p, blk, w);
+        float* dst = parts + ((bhk * NC + c) * R + r0) * row_f;
+        for (int r = 0; r < n; ++r) {
+          std::memcpy(dst + r * row_f, w.o + r * Dvp, Dvp * sizeof(float));
+          dst[r * row_f + Dvp] = w.m[r];
+          dst[r * row_f + Dvp + 1] = w.l[r];
+        }
+      }
+      // Merge the chunk partials of each row in chunk order (independent of the schedule).
+      const i64 rows_total = p.B * p.Hkv * R;
+#pragma omp for schedule(static)
+      for (i64 x = 0; x < rows_total; ++x) {
+        const i64 bhk = x / R, rr = x % R;
+        const i64 b = bhk / p.Hkv, hk = bhk % p.Hkv;
+        const float neg_inf = -std::numeric_limits<float>::infinity();
+        float mx = neg_inf;
+        bool any = false, nan = false;
+        for (i64 c = 0; c < NC; ++c) {
+          const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
+          if (src[Dvp + 1] == 0.0f) continue;  // a chunk with no admissible key
+          any = true;
+          nan = nan || std::isnan(src[Dvp + 1]);
+          mx = std::max(mx, src[Dvp]);
+        }
+        // The merge accumulates in float64 (a few Dv-vectors per row: cheap), so it adds no
+        // rounding beyond the final one.
+        double* accd = reinterpret_cast<double*>(w.o);  // BQ * Dvp floats >= Dvp doubles
+        for (i64 d = 0; d < Dvp; ++d) accd[d] = 0.0;
+        double lsum = 0.0;
+        if (any && !nan) {
+          for (i64 c = 0; c < NC; ++c) {
+            const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
+            if (src[Dvp + 1] == 0.0f) continue;
+            const double a = std::exp(static_cast<double>(src[Dvp]) - static_cast<double>(mx));
+            lsum += a * src[Dvp + 1];
+            for (i64 d = 0; d < Dvp; ++d) accd[d] += a * src[d];
+          }
+        }
+        float* acc = w.vbuf;
+        for (i64 d = 0; d < Dvp; ++d)
+          acc[d] = nan ? std::numeric_limits<float>::quiet_NaN() : any ? static_cast<float>(accd[d] / lsum) : 0.0f;
+        const Row row = make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
+        const bool empty = !any;
+        store_out(p, row.out_off, acc, 1.0f, empty, p.Dv);
+        if (p.lse.data)
+          store_scalar(p.lse.data, p.lse.dtype, row.lse_off,
+                       empty ? neg_inf : nan ? std::numeric_limits<float>::quiet_NaN()
+                                             : static_cast<float>(mx + std::log(lsum)));
+      }
+    }
+  }
+
+  // ---- the one switch from run-time options to template parameters --------------------------
+  template <template <Elt, bool, bool, bool> class Fn>
+  static void dispatch(const Problem& p, char* ws, int threads, bool bf16_dot) {
+    const bool mask = p.mask.data != nullptr, cap = p.softcap > 0.0;
+    auto with_opts = [&]<Elt E, bool DP>() {
+      if (mask) {
+        if (cap) Fn<E, DP, true, true>::run(p, ws, threads);
+        else Fn<E, DP, true, false>::run(p, ws, threads);
+      } else {
+        if (cap) Fn<E, DP, false, true>::run(p, ws, threads);
+        else Fn<E, DP, false, false>::run(p, ws, threads);
+      }
+    };
+    switch (p.q.dtype) {
+      case DType::bf16:
+        if constexpr (Ops::kHasDpbf16) {
+          if (bf16_dot) { with_opts.template operator()<Elt::bf16, true>(); break; }
+        }
+        with_opts.template operator()<Elt::bf16, false>();
+        break;
+      case DType::f16: with_opts.template operator()<Elt::f16, false>(); break;
+      default: with_opts.template operator()<Elt::f32, false>(); break;
+    }
+  }
+
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  struct FlashFn {
+    static void run(const Problem& p, char* ws, int t) { flash_impl<E, DP, MASK, CAP>(p, ws, t); }
+  };
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  struct DecodeFn {
+    static void run(const Problem& p, char* ws, int t) { decode_impl<E, DP, MASK, CAP>(p, ws, t); }
+  };
+
+  /// The engine's vector exp on an array (for its accuracy test).
+  static void exp_array(const float* x, float* y, i64 n) {
+    i64 i = 0;
+    for (; i + W <= n; i += W) Ops::store(y + i, Ops::exp(Ops::load(x + i)));
+    if (i < n) {
+      float tx[W], ty[W];
+      for (int t = 0; t < W; ++t) tx[t] = i + t < n ? x[i + t] : 0.0f;
+      Ops::store(ty, Ops::exp(Ops::load(tx)));
+      for (int t = 0; i + t < n; ++t) y[i + t] = ty[t];
+    }
+  }
+
+  static std::size_t flash_workspace(const Problem& p, int threads, bool) { return flash_ws(p, threads); }
+  static void flash_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
+    dispatch<FlashFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+  }
+  static std::size_t decode_workspace(const Problem& p, int threads, bool) { return decode_ws(p, threads); }
+  static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
+    dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+  }
+};
+
+}  // namespace qkv::detail::QKV_ENGINE_NS

@@ -1,0 +1,56 @@
+// decode: attention for a few query rows against a long KV cache (Sq <= 16).
+//
+// Algorithm: flash-decoding (Dao, Haziza, Massa, Sizov 2023, "Flash-Decoding for long-context
+// inference"): the keys of each (batch, KV head) are split in chunks processed in parallel, each
+// with the FlashAttention-2 tile loop (Dao 2023, Alg. 1), leaving an unnormalised partial output,
+// its running max m_c and sum l_c; the partials are merged by log-sum-exp:
+//   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L.
+// All query heads that share a KV head (GQA) and all Sq rows form one block of rows, so K and V
+// are read once per KV head, not once per query head.
+//
+// Threading: one work item per (batch, KV head, row block, chunk), dynamic schedule. The chunk
+// size depends only on the problem (at most 64 chunks per KV head, at least 4 key tiles, partials
+// bounded to ~16 MiB), and the merge runs in chunk order, so results are bitwise identical for
+// any number of threads.
+//
+// Precision: as flash (src/kernels/flash.cpp): fp32 accumulation within chunks; the merge of the
+// chunk partials in float64 (libm exp), rounded once to the output.
+// Accuracy contract (tests/test_decode.cpp): same tolerances as flash against the float64
+// reference; NaN at excluded keys never leaks; bitwise identical across thread counts.
+#include <memory>
+#include <new>
+
+#include "kernels/isa_kernels.hpp"
+#include "kernels/kernels.hpp"
+
+namespace qkv::detail {
+
+namespace {
+struct AlignedFree {
+  void operator()(char* p) const noexcept { ::operator delete[](p, std::align_val_t(64)); }
+};
+}  // namespace
+
+std::string decode_refuse(const Problem& p, bool want_probs) {
+  if (p.Sq > kDecodeMaxSq)
+    return "Sq = " + std::to_string(p.Sq) + " > " + std::to_string(kDecodeMaxSq) + " (decode takes a few query rows)";
+  if (want_probs) return "probs requested: decode never forms the Sq x Sk weights (the reference does)";
+  if (p.q.dtype == DType::f64) return "float64 inputs: decode computes in fp32 (the reference computes in float64)";
+  return {};
+}
+
+void decode_kernel(const Problem& p) {
+  bool dot = false;
+  const IsaKernels& k = active_isa_kernels(dot);
+  const int threads = call_threads(p);
+  const std::size_t bytes = k.decode_workspace(p, threads, dot);
+  std::unique_ptr<char[], AlignedFree> ws(new (std::align_val_t(64)) char[bytes]);
+  k.decode_forward(p, ws.get(), threads, dot);
+}
+
+std::string decode_describe() {
+  return "flash-decoding for Sq <= " + std::to_string(kDecodeMaxSq) +
+         ": keys split in fixed chunks, GQA heads share K/V reads, log-sum-exp merge; ISAs: " + isa_summary();
+}
+
+}  // namespace qkv::detail

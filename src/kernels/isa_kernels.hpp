@@ -1,0 +1,47 @@
+#pragma once
+// The table through which the ISA-independent glue (flash.cpp, decode.cpp) reaches the
+// per-ISA instantiations of the attention engine (src/kernels/simd/<isa>/). Each ISA translation
+// unit defines one IsaKernels object; the glue picks one at run time from cpu_features.hpp.
+#include <cstddef>
+#include <string>
+
+#include "api/problem.hpp"
+
+namespace qkv::detail {
+
+struct IsaKernels {
+  const char* name;  // "avx512", "avx2", "scalar"
+  /// Bytes of workspace flash_forward needs for `p` with `threads` threads (64-byte aligned).
+  std::size_t (*flash_workspace)(const Problem& p, int threads, bool bf16_dot);
+  /// FlashAttention-2 forward of the whole problem; `ws` holds flash_workspace() bytes.
+  void (*flash_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
+  std::size_t (*decode_workspace)(const Problem& p, int threads, bool bf16_dot);
+  /// Flash-decoding (Sq small): keys split in fixed chunks, partials merged by log-sum-exp.
+  void (*decode_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
+  /// Tile sizes, for describe(): rows per query block and keys per key tile.
+  int block_q, block_k;
+  /// The vector exp of the online softmax, on an array (tests measure its error).
+  void (*exp_array)(const float* x, float* y, std::int64_t n);
+};
+
+#if defined(QKV_HAVE_AVX512)
+extern const IsaKernels kIsaKernelsAvx512;
+#endif
+#if defined(QKV_HAVE_AVX2)
+extern const IsaKernels kIsaKernelsAvx2;
+#endif
+extern const IsaKernels kIsaKernelsScalar;
+
+}  // namespace qkv::detail
+
+namespace qkv::detail {
+
+/// The engine of the active ISA level (active_isa(): CPU, QKV_ISA, set_isa_cap) and whether
+/// its bf16 dot-product path may be used.
+const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept;
+/// Threads a call uses: params.num_threads, or OpenMP's default when 0.
+int call_threads(const Problem& p) noexcept;
+/// "avx512bf16 avx512 avx2 scalar": the compiled levels, each marked usable or not on this CPU.
+std::string isa_summary();
+
+}  // namespace qkv::detail

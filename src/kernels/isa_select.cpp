@@ -1,0 +1,40 @@
+// Run-time choice of the engine instantiation (src/kernels/simd/<isa>/) for the fast kernels.
+#include <omp.h>
+
+#include "dispatch/cpu_features.hpp"
+#include "kernels/isa_kernels.hpp"
+
+namespace qkv::detail {
+
+const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept {
+  const Isa isa = active_isa();
+  bf16_dot = isa == Isa::avx512bf16;
+  switch (isa) {
+#if defined(QKV_HAVE_AVX512)
+    case Isa::avx512bf16:
+    case Isa::avx512: return kIsaKernelsAvx512;
+#endif
+#if defined(QKV_HAVE_AVX2)
+    case Isa::avx2: return kIsaKernelsAvx2;
+#endif
+    default: bf16_dot = false; return kIsaKernelsScalar;
+  }
+}
+
+int call_threads(const Problem& p) noexcept {
+  return p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
+}
+
+std::string isa_summary() {
+  std::string s;
+  for (int l = 3; l >= 0; --l) {
+    const Isa isa = static_cast<Isa>(l);
+    if (!isa_compiled(isa)) continue;
+    if (!s.empty()) s += ", ";
+    s += isa_name(isa);
+    s += isa_supported(isa) ? (isa == active_isa() ? " (active)" : " (usable)") : " (not supported by this CPU)";
+  }
+  return s;
+}
+
+}  // namespace qkv::detail

@@ -1,0 +1,20 @@
+#pragma once
+// Registry hooks of the fast kernels (dispatch.cpp lists them in priority order).
+#include <string>
+
+#include "api/problem.hpp"
+
+namespace qkv::detail {
+
+std::string flash_refuse(const Problem& p, bool want_probs);
+void flash_kernel(const Problem& p);
+std::string flash_describe();
+
+std::string decode_refuse(const Problem& p, bool want_probs);
+void decode_kernel(const Problem& p);
+std::string decode_describe();
+
+/// Largest Sq the decode kernel takes.
+inline constexpr std::int64_t kDecodeMaxSq = 16;
+
+}  // namespace qkv::detail

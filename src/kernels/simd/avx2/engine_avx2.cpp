@@ -1,0 +1,98 @@
+// The attention engine (src/kernels/attention_engine.hpp: FlashAttention-2 forward, Dao 2023
+// Alg. 1, and flash-decoding) instantiated for AVX2 + FMA (+ F16C), 8 floats per vector.
+//
+// Tile traits: 32 query rows x 64 keys; QK^T microkernel MR keys x NQV vectors of 8 queries with
+// MR*NQV <= 12 ymm accumulators (3 x 4 for a full block); PV microkernel 6 rows x 2 vectors.
+//
+// Vector exp (fp32): the Cephes expf scheme as in the AVX-512 variant (x clamped to
+// [-87.34, 88.37], NaN kept; n = round(x log2 e); r = x - n ln2 in two parts; degree-7
+// polynomial; 2^n built in the exponent field), x < -87.34 (incl. -inf) gives exactly 0.
+// Measured max relative error over [-87, 0]: 1.2e-7 (docs/accuracy.md, Flash.VectorExp).
+// bf16 inputs are converted to fp32 (no bf16 dot product on AVX2); fp16 via F16C.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "qkv/tensor.hpp"
+
+#define QKV_ENGINE_NS engine_avx2
+#include "kernels/attention_engine.hpp"
+#include "kernels/isa_kernels.hpp"
+
+namespace qkv::detail {
+namespace engine_avx2 {
+
+struct Ops {
+  using V = __m256;
+  static constexpr int W = 8;
+  static constexpr int kBq = 32, kBk = 64, kAccRegs = 12, kPvCols = 2;
+  static constexpr bool kHasDpbf16 = false;
+
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static V safe_max(V m) {
+    const V k = _mm256_cmp_ps(m, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(m, _mm256_setzero_ps(), k);
+  }
+  static V exp(V x) {
+    const V under = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3365f), _CMP_LT_OQ);
+    V t = _mm256_max_ps(_mm256_set1_ps(-87.3365f), x);  // NaN passes through (second operand)
+    t = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), t);
+    const V n = _mm256_round_ps(_mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), t);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    V y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201E-1f));
+    // 1 + (r + r^2 q(r)): the only rounding of a term of size 1 is the last one.
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    // 2^n for n in [-126, 127]: the exponent field.
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return _mm256_blendv_ps(y, _mm256_setzero_ps(), under);
+  }
+  static V range_select(V x, V lo, V hi, V g) {
+    const V k = _mm256_and_ps(_mm256_cmp_ps(lo, g, _CMP_LE_OQ), _mm256_cmp_ps(g, hi, _CMP_LT_OQ));
+    return _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), x, k);
+  }
+  static float hsum(V x) {
+    const __m128 a = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+  }
+  static constexpr bool kMaskedFma = false;
+  static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
+    std::int64_t x = 0;
+    for (; x + 8 <= n; x += 8)
+      _mm256_storeu_ps(d + x, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + x))));
+    for (; x < n; ++x) d[x] = _cvtsh_ss(s[x]);
+  }
+};
+
+using E = Engine<Ops>;
+
+}  // namespace engine_avx2
+
+const IsaKernels kIsaKernelsAvx2 = {
+    "avx2",
+    engine_avx2::E::flash_workspace, engine_avx2::E::flash_forward,
+    engine_avx2::E::decode_workspace, engine_avx2::E::decode_forward,
+    engine_avx2::Ops::kBq, engine_avx2::Ops::kBk,
+    engine_avx2::E::exp_array,
+};
+
+}  // namespace qkv::detail

@@ -1,0 +1,244 @@
+// The attention engine (src/kernels/attention_engine.hpp: FlashAttention-2 forward, Dao 2023
+// Alg. 1, and flash-decoding) instantiated for AVX-512 (F/BW/DQ/VL + FMA), 16 floats per vector,
+// with the AVX512_BF16 dot product (vdpbf16ps) for bfloat16 inputs when the CPU has it.
+//
+// Tile traits: 64 query rows x 64 keys; QK^T microkernel MR keys x NQV vectors of 16 queries with
+// MR*NQV <= 24 zmm accumulators (6 x 4 for a full block); PV microkernel 6 rows x 4 vectors of Dv.
+//
+// Vector exp (fp32): x clamped to [-87.34, 88.37] (NaN kept), n = round(x log2 e),
+// r = x - n ln2 (ln2 split in two for exactness), e^r by the Cephes expf polynomial
+//   1 + r + r^2 (0.5 + r (1/6 + r (1/24 + r (1/120 + r (1/720 + r/5040)))))  (minimax-fitted
+//   coefficients below), scaled by 2^n with vscalefps; x < -87.34 (incl. -inf) gives exactly 0.
+// Measured max relative error against float64 exp over [-87, 0] (the arguments of the online
+// softmax, which are <= 0): 1.2e-7 (about 1 ulp); see tests/test_flash.cpp (Flash.VectorExp)
+// and docs/accuracy.md.
+//
+// bf16 dot path: QK^T: vdpbf16ps of Q packed as (d, d+1) pairs per query with the K row's
+// (d, d+1) pair broadcast (read in place); an odd D ends with a (d, 0) pair. PV: P rounded to
+// bf16 (round to nearest even) and packed as (key, key+1) pairs per query, V packed as
+// (key, key+1) pairs per column, vdpbf16ps accumulating in fp32. Products of bf16 values are
+// exact in fp32; the only extra rounding is that of P (relative 2^-9), see docs/accuracy.md.
+// GCC 12 reports its own AVX-512 intrinsics' undefined pass-through operand as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "qkv/tensor.hpp"
+
+#define QKV_ENGINE_NS engine_avx512
+#include "kernels/attention_engine.hpp"
+#include "kernels/isa_kernels.hpp"
+
+namespace qkv::detail {
+namespace engine_avx512 {
+
+struct Ops {
+  using V = __m512;
+  static constexpr int W = 16;
+  static constexpr int kBq = 64, kBk = 64, kAccRegs = 24, kPvCols = 4;
+  static constexpr bool kHasDpbf16 = true;
+
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static V safe_max(V m) {
+    const __mmask16 k = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);
+    return _mm512_mask_blend_ps(k, m, _mm512_setzero_ps());
+  }
+  static V exp(V x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365f), _CMP_LT_OQ);
+    // max/min return the second operand when either is NaN: NaN passes through.
+    V t = _mm512_max_ps(_mm512_set1_ps(-87.3365f), x);
+    t = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), t);
+    const V n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    V y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+    // 1 + (r + r^2 q(r)): the only rounding of a term of size 1 is the last one.
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    y = _mm512_scalef_ps(y, n);
+    return _mm512_mask_blend_ps(under, y, _mm512_setzero_ps());
+  }
+  static V range_select(V x, V lo, V hi, V g) {
+    const __mmask16 k = _mm512_cmp_ps_mask(lo, g, _CMP_LE_OQ) & _mm512_cmp_ps_mask(g, hi, _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(k, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
+  }
+  static float hsum(V x) { return _mm512_reduce_add_ps(x); }
+  // PV on partially masked tiles: lanes whose weight is 0 keep the accumulator (no 0 * NaN).
+  static constexpr bool kMaskedFma = true;
+  static __mmask16 nonzero(V p) { return _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ); }
+  static V fma_mask(V a, V b, V c, __mmask16 k) { return _mm512_mask3_fmadd_ps(a, b, c, k); }
+  static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
+    std::int64_t x = 0;
+    for (; x + 16 <= n; x += 16)
+      _mm512_storeu_ps(d + x, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + x))));
+    if (x < n) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (n - x)) - 1);
+      _mm512_mask_storeu_ps(d + x, k, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, s + x)));
+    }
+  }
+
+  // ---- AVX512_BF16 microkernels --------------------------------------------------------------
+  template <int NQV, int MR>
+  static void qk_bf16_mk(const std::uint32_t* qp, int sp, const std::uint16_t* k, std::int64_t ks,
+                         std::int64_t D, float* s, int ssp) {
+    V acc[MR][NQV];
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NQV; ++c) acc[r][c] = _mm512_setzero_ps();
+    const std::int64_t D2 = D / 2;
+    for (std::int64_t dp = 0; dp < D2; ++dp) {
+      __m512bh qv[NQV];
+#pragma GCC unroll 4
+      for (int c = 0; c < NQV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qp + dp * sp + c * 16);
+#pragma GCC unroll 16
+      for (int r = 0; r < MR; ++r) {
+        std::uint32_t pair;
+        std::memcpy(&pair, k + r * ks + 2 * dp, 4);
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 4
+        for (int c = 0; c < NQV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], kb, qv[c]);
+      }
+    }
+    if (D & 1) {  // the last d paired with zero (never reads past the row)
+      __m512bh qv[NQV];
+      for (int c = 0; c < NQV; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(qp + D2 * sp + c * 16);
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh kb = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[r * ks + D - 1]));
+        for (int c = 0; c < NQV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], kb, qv[c]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NQV; ++c) _mm512_storeu_ps(s + r * ssp + c * 16, acc[r][c]);
+  }
+
+  template <int NQV>
+  static void qk_bf16_rows(const std::uint32_t* qp, int sp, const std::uint16_t* k, std::int64_t ks,
+                           std::int64_t D, int kt, float* s, int ssp) {
+    constexpr int MR = kAccRegs / NQV > 16 ? 16 : kAccRegs / NQV;
+    int j = 0;
+    for (; j + MR <= kt; j += MR) qk_bf16_mk<NQV, MR>(qp, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+    for (; j + 2 <= kt; j += 2) qk_bf16_mk<NQV, 2>(qp, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+    for (; j < kt; ++j) qk_bf16_mk<NQV, 1>(qp, sp, k + j * ks, ks, D, s + j * ssp, ssp);
+  }
+
+  static void qk_bf16(const std::uint32_t* qp, int nqv, const std::uint16_t* k, std::int64_t ks,
+                      std::int64_t D, int kt, float* s, int ssp) {
+    const int sp = nqv * 16;
+    switch (nqv) {
+      case 1: qk_bf16_rows<1>(qp, sp, k, ks, D, kt, s, ssp); break;
+      case 2: qk_bf16_rows<2>(qp, sp, k, ks, D, kt, s, ssp); break;
+      case 3: qk_bf16_rows<3>(qp, sp, k, ks, D, kt, s, ssp); break;
+      default: qk_bf16_rows<4>(qp, sp, k, ks, D, kt, s, ssp); break;
+    }
+  }
+
+  // pp[jp][i] = (bf16(P[2jp][i]), bf16(P[2jp+1][i])), a missing last key paired with 0.
+  static void pack_p_bf16(const float* s, int ssp, int nqv, int kt, std::uint32_t* pp) {
+    const int sp = nqv * 16;
+    for (int j = 0; j < kt; j += 2)
+      for (int c = 0; c < nqv; ++c) {
+        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j * ssp + c * 16)));
+        const __m512i hi = j + 1 < kt
+            ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (j + 1) * ssp + c * 16)))
+            : _mm512_setzero_si512();
+        _mm512_storeu_si512(pp + (j / 2) * sp + c * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+  }
+
+  // vp[jp][x] = (V[2jp][x], V[2jp+1][x]) for x < nvec*16 (zero beyond Dv and past the last key).
+  static void pack_v_bf16(const std::uint16_t* v, std::int64_t vs, std::int64_t Dv, int nvec, int kt,
+                          std::uint32_t* vp) {
+    const int dvp = nvec * 16;
+    for (int j = 0; j < kt; j += 2) {
+      const std::uint16_t* a = v + j * vs;
+      const std::uint16_t* b = v + (j + 1) * vs;
+      for (int c = 0; c < nvec; ++c) {
+        const std::int64_t left = Dv - c * 16;
+        const __mmask16 k = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, a + c * 16));
+        const __m512i hi = j + 1 < kt ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, b + c * 16))
+                                      : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + (j / 2) * dvp + c * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  }
+
+  template <int MR, int NC>
+  static void pv_bf16_mk(const std::uint32_t* pp, int sp, const std::uint32_t* vp, int dvp, int kt2,
+                         float* o, std::int64_t os, const float* alpha) {
+    V acc[MR][NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const V a = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * os + c * 16), a);
+    }
+    for (int jp = 0; jp < kt2; ++jp) {
+      __m512bh vv[NC];
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(vp + jp * dvp + c * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp[jp * sp + r]));
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb, vv[c]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o + r * os + c * 16, acc[r][c]);
+  }
+
+  template <int MR>
+  static void pv_bf16_rows(const std::uint32_t* pp, int sp, const std::uint32_t* vp, int nvec, int kt2,
+                           float* o, std::int64_t os, const float* alpha) {
+    const int dvp = nvec * 16;
+    int c = 0;
+    for (; c + kPvCols <= nvec; c += kPvCols) pv_bf16_mk<MR, kPvCols>(pp, sp, vp + c * 16, dvp, kt2, o + c * 16, os, alpha);
+    for (; c < nvec; ++c) pv_bf16_mk<MR, 1>(pp, sp, vp + c * 16, dvp, kt2, o + c * 16, os, alpha);
+  }
+
+  static void pv_bf16(const std::uint32_t* pp, int sp, const std::uint32_t* vp, int nvec, int kt2,
+                      float* o, std::int64_t os, const float* alpha, int n) {
+    constexpr int MR = kAccRegs / kPvCols;
+    int r = 0;
+    for (; r + MR <= n; r += MR) pv_bf16_rows<MR>(pp + r, sp, vp, nvec, kt2, o + r * os, os, alpha + r);
+    for (; r + 2 <= n; r += 2) pv_bf16_rows<2>(pp + r, sp, vp, nvec, kt2, o + r * os, os, alpha + r);
+    for (; r < n; ++r) pv_bf16_rows<1>(pp + r, sp, vp, nvec, kt2, o + r * os, os, alpha + r);
+  }
+};
+
+using E = Engine<Ops>;
+
+}  // namespace engine_avx512
+
+const IsaKernels kIsaKernelsAvx512 = {
+    "avx512",
+    engine_avx512::E::flash_workspace, engine_avx512::E::flash_forward,
+    engine_avx512::E::decode_workspace, engine_avx512::E::decode_forward,
+    engine_avx512::Ops::kBq, engine_avx512::Ops::kBk,
+    engine_avx512::E::exp_array,
+};
+
+}  // namespace qkv::detail
