@@ -2,6 +2,7 @@
 #include <omp.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "commands.hpp"
 #include "qkv/info.hpp"
@@ -14,6 +15,9 @@ void add_info(CLI::App& app) {
   cmd->callback([] {
     std::printf("qkv %s\n", qkv::version());
     std::printf("cpu features: %s\n", qkv::cpu_features_string().c_str());
+    const char* cap = std::getenv("QKV_ISA");
+    std::printf("kernel ISA: %s%s%s\n", qkv::active_isa_string().c_str(), cap ? ", capped by QKV_ISA=" : "",
+                cap ? cap : "");
     std::printf("threads (OpenMP default): %d\n", omp_get_max_threads());
     std::printf("kernels, in dispatch priority order:\n");
     for (const auto& k : qkv::compiled_kernels())

@@ -123,6 +123,10 @@ TEST(ExplainTrace, MatchesReferenceAndFastPath) {
     const Tensor q = random_tensor(c.dtype, {c.B, c.Hq, c.Sq, c.D}, rng);
     const Tensor k = random_tensor(c.dtype, {c.B, c.Hkv, c.Sk, c.D}, rng);
     const Tensor v = random_tensor(c.dtype, {c.B, c.Hkv, c.Sk, c.Dv}, rng);
+    double bf16_floor = 0.0;
+    if (c.dtype == DType::bf16)
+      for (std::int64_t x = 0; x < v.numel(); ++x)
+        bf16_floor = std::max(bf16_floor, std::abs(load_as_double(v.data(), v.dtype(), x)) / 256.0);
     AttentionParams p;
     p.scale = c.scale;
     p.causal = c.causal;
@@ -207,7 +211,9 @@ TEST(ExplainTrace, MatchesReferenceAndFastPath) {
           for (std::int64_t x = 0; x < c.Dv; ++x) {
             const auto o = r * static_cast<std::size_t>(c.Dv) + static_cast<std::size_t>(x);
             EXPECT_NEAR(t.output[o], ref_out.data_as<double>()[o], 1e-14);
-            EXPECT_NEAR(t.output[o], fast_out.data_as<float>()[o], 2e-5 * (1 + std::abs(t.output[o])));
+            // bfloat16 inputs: the fast kernel rounds the weights to bfloat16 for its dot products,
+            // so its documented floor (docs/accuracy.md) is max|v| / 256.
+            EXPECT_NEAR(t.output[o], fast_out.data_as<float>()[o], 2e-5 * (1 + std::abs(t.output[o])) + bf16_floor);
           }
         }
   }

@@ -14,6 +14,9 @@ struct KernelInfo {
 
 /// CPU features detected at run time, e.g. "avx2 fma f16c avx512f ... avx512_bf16".
 std::string cpu_features_string();
+/// The instruction-set level the fast kernels use here ("scalar", "avx2", "avx512" or
+/// "avx512bf16"): the best one compiled and supported, capped by QKV_ISA if set.
+std::string active_isa_string();
 /// The kernels compiled into this build, in dispatch priority order.
 std::vector<KernelInfo> compiled_kernels();
 

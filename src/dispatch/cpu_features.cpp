@@ -65,18 +65,8 @@ std::string CpuFeatures::to_string() const {
   return s.empty() ? "none" : s;
 }
 
-// QKV_ISA=avx512|avx2|scalar hides the features above that level, so that every kernel variant
-// this CPU can run is also testable on it. Any other value (or none) leaves detection as is.
-static CpuFeatures capped(CpuFeatures f, const char* isa) noexcept {
-  if (!isa) return f;
-  const std::string_view v(isa);
-  if (v == "avx2" || v == "scalar") f.avx512f = f.avx512bw = f.avx512dq = f.avx512vl = f.avx512bf16 = f.avx512fp16 = false;
-  if (v == "scalar") f.avx2 = f.fma = f.f16c = false;
-  return f;
-}
-
 const CpuFeatures& cpu_features() noexcept {
-  static const CpuFeatures f = capped(detect(), std::getenv("QKV_ISA"));
+  static const CpuFeatures f = detect();
   return f;
 }
 

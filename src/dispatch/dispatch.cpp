@@ -20,7 +20,7 @@ const char* kind_name(KernelKind k) {
   return "?";
 }
 
-std::string reference_refuse(const Problem&, bool) { return {}; }
+std::string reference_refuse(const Problem&) { return {}; }
 std::string reference_describe() { return "float64 loops, always usable"; }
 
 const std::array<KernelEntry, 3> kRegistry = {{
@@ -33,14 +33,14 @@ const std::array<KernelEntry, 3> kRegistry = {{
 
 std::span<const KernelEntry> kernel_registry() { return kRegistry; }
 
-Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs) {
+Choice choose_kernel(const Problem& p, KernelKind requested) {
   Choice c;
   for (const KernelEntry& k : kRegistry) {
     if (requested != KernelKind::automatic && k.kind != requested) {
       c.explanation += std::string(k.name) + ": not requested\n";
       continue;
     }
-    const std::string why = k.refuse(p, want_probs);
+    const std::string why = k.refuse(p);
     if (!why.empty()) {
       if (requested != KernelKind::automatic)
         throw Error(std::string("kernel: the requested kernel '") + k.name + "' cannot run this call: " + why);
@@ -57,6 +57,8 @@ Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs) {
       c.explanation += std::string(k.name) + ": usable, lower priority\n";
     }
   }
+  if (c.kernel && p.probs.data && c.kernel->kind != KernelKind::reference)
+    c.explanation += "probs: the fast kernels never form the Sq x Sk weights; the reference fills them in a second pass\n";
   if (!c.kernel) {
     std::string names;
     for (const KernelEntry& k : kRegistry) names += std::string(names.empty() ? "" : ", ") + k.name;

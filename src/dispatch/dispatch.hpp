@@ -12,7 +12,7 @@ struct KernelEntry {
   const char* name;  // "flash", "decode", "reference"
   KernelKind kind;
   /// Empty if the kernel can run `p`, else the reason it cannot.
-  std::string (*refuse)(const Problem& p, bool want_probs);
+  std::string (*refuse)(const Problem& p);
   void (*run)(const Problem& p);
   /// One line for `qkv info`: the ISA variants compiled and which are usable here.
   std::string (*describe)();
@@ -27,6 +27,6 @@ struct Choice {
 };
 
 /// Picks the kernel for `p`. A forced kind that refuses throws qkv::Error with its reason.
-Choice choose_kernel(const Problem& p, KernelKind requested, bool want_probs);
+Choice choose_kernel(const Problem& p, KernelKind requested);
 
 }  // namespace qkv::detail

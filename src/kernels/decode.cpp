@@ -31,10 +31,9 @@ struct AlignedFree {
 };
 }  // namespace
 
-std::string decode_refuse(const Problem& p, bool want_probs) {
+std::string decode_refuse(const Problem& p) {
   if (p.Sq > kDecodeMaxSq)
     return "Sq = " + std::to_string(p.Sq) + " > " + std::to_string(kDecodeMaxSq) + " (decode takes a few query rows)";
-  if (want_probs) return "probs requested: decode never forms the Sq x Sk weights (the reference does)";
   if (p.q.dtype == DType::f64) return "float64 inputs: decode computes in fp32 (the reference computes in float64)";
   return {};
 }

@@ -34,8 +34,7 @@ struct AlignedFree {
 };
 }  // namespace
 
-std::string flash_refuse(const Problem& p, bool want_probs) {
-  if (want_probs) return "probs requested: flash never forms the Sq x Sk weights (the reference does)";
+std::string flash_refuse(const Problem& p) {
   if (p.q.dtype == DType::f64) return "float64 inputs: flash computes in fp32 (the reference computes in float64)";
   return {};
 }

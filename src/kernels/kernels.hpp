@@ -6,11 +6,11 @@
 
 namespace qkv::detail {
 
-std::string flash_refuse(const Problem& p, bool want_probs);
+std::string flash_refuse(const Problem& p);
 void flash_kernel(const Problem& p);
 std::string flash_describe();
 
-std::string decode_refuse(const Problem& p, bool want_probs);
+std::string decode_refuse(const Problem& p);
 void decode_kernel(const Problem& p);
 std::string decode_describe();
 
