@@ -50,6 +50,7 @@ public:
   const Shape& strides() const noexcept { return strides_; }
   std::int64_t size(int axis) const { return shape_.at(static_cast<std::size_t>(axis)); }
   std::int64_t stride(int axis) const { return strides_.at(static_cast<std::size_t>(axis)); }
+  /// Number of elements; INT64_MAX when the product of the dimensions overflows int64.
   std::int64_t numel() const noexcept;
   bool empty() const noexcept { return data_ == nullptr && shape_.empty(); }
   /// True when the strides are the C-contiguous strides of the shape.

@@ -2,6 +2,7 @@
 #include "api/validate.hpp"
 
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "qkv/error.hpp"
@@ -13,16 +14,36 @@ std::string s(std::int64_t x) { return std::to_string(x); }
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
 
+// The element count must fit int64 (and its bytes size_t), and the bytes between the lowest and
+// the highest element must fit int64, so that no offset a kernel forms can overflow.
+void check_sizes(const TensorView& t, const char* name) {
+  checked_numel(t.shape(), dtype_size(t.dtype()), name);
+  if (t.numel() == 0) return;
+  std::int64_t ext = 0;
+  for (int a = 0; a < t.rank(); ++a) {
+    const std::int64_t st = t.stride(a);
+    std::int64_t e = 0;
+    if (st == std::numeric_limits<std::int64_t>::min() || __builtin_mul_overflow(t.size(a) - 1, st < 0 ? -st : st, &e) ||
+        __builtin_add_overflow(ext, e, &ext))
+      ext = -1;
+    if (ext < 0) break;
+  }
+  std::int64_t bytes = 0;
+  if (ext < 0 || __builtin_mul_overflow(ext + 1, static_cast<std::int64_t>(dtype_size(t.dtype())), &bytes))
+    throw Error(std::string(name) + ": strides " + shape_str(t.strides()) + " with shape " + shape_str(t.shape()) +
+                " span more bytes than an int64 offset can address");
+}
+
 void check_rank4(const TensorView& t, const char* name, const char* axes) {
   if (t.rank() != 4)
     throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
                 s(t.rank()) + " with shape " + shape_str(t.shape()));
+  check_sizes(t, name);
   if (t.data() == nullptr && t.numel() > 0)
     throw Error(std::string(name) + ": data pointer is null for shape " + shape_str(t.shape()));
   if (t.size(3) > 1 && t.stride(3) != 1)
     throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
                 s(t.stride(3)));
-  checked_numel(t.shape(), dtype_size(t.dtype()), name);
 }
 
 void expect_dim(const TensorView& t, const char* name, const char* axes, int axis,
@@ -100,13 +121,6 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   if (p.D < 1 && !params.scale)
     throw Error("q: expected D >= 1 for the default scale 1/sqrt(D), got D = " + s(p.D));
 
-  for (const auto* in : {&q, &k, &v}) {
-    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
-    check_no_overlap(out, "out", *in, n);
-    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
-    if (probs) check_no_overlap(*probs, "probs", *in, n);
-  }
-
   p.q = {q.data(), q.dtype(), q.stride(0), q.stride(1), q.stride(2)};
   p.k = {k.data(), k.dtype(), k.stride(0), k.stride(1), k.stride(2)};
   p.v = {v.data(), v.dtype(), v.stride(0), v.stride(1), v.stride(2)};
@@ -119,6 +133,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(l.shape()));
     if (l.dtype() != DType::f32 && l.dtype() != DType::f64)
       throw Error("softmax_lse: expected dtype float32 or float64, got " + std::string(dtype_name(l.dtype())));
+    check_sizes(l, "softmax_lse");
     if (!l.data() && l.numel() > 0) throw Error("softmax_lse: data pointer is null");
     check_no_overlap(*softmax_lse, "softmax_lse", out, "out");
     p.lse = lower_out(l);
@@ -130,11 +145,18 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(pr.shape()));
     if (pr.dtype() != DType::f32 && pr.dtype() != DType::f64)
       throw Error("probs: expected dtype float32 or float64, got " + std::string(dtype_name(pr.dtype())));
+    check_sizes(pr, "probs");
     if (!pr.data() && pr.numel() > 0) throw Error("probs: data pointer is null");
-    checked_numel(pr.shape(), dtype_size(pr.dtype()), "probs");
     check_no_overlap(*probs, "probs", out, "out");
     if (softmax_lse) check_no_overlap(*probs, "probs", *softmax_lse, "softmax_lse");
     p.probs = lower_out(pr);
+  }
+  // Outputs must not overlap inputs (checked once every operand's extent is known to fit int64).
+  for (const auto* in : {&q, &k, &v}) {
+    const char* n = in == &q ? "q" : in == &k ? "k" : "v";
+    check_no_overlap(out, "out", *in, n);
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *in, n);
+    if (probs) check_no_overlap(*probs, "probs", *in, n);
   }
 
   // Scalars.
@@ -168,6 +190,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     if (m.dtype() != DType::b8 && m.dtype() != DType::f32 && m.dtype() != DType::f64)
       throw Error("mask: expected dtype bool (true = attend) or float32/float64 (additive), got " +
                   std::string(dtype_name(m.dtype())));
+    check_sizes(m, "mask");
     if (!m.data() && m.numel() > 0) throw Error("mask: data pointer is null");
     std::int64_t st[4] = {0, 0, 0, 0};
     const int off = 4 - m.rank();

@@ -78,8 +78,11 @@ TensorView::TensorView(void* data, DType dtype, Shape shape, Shape strides)
 }
 
 std::int64_t TensorView::numel() const noexcept {
+  // Saturates instead of overflowing: a view may describe more elements than int64 holds (any
+  // use of it is refused by checked_numel), and asking its size must not be undefined.
   std::int64_t n = 1;
-  for (auto d : shape_) n *= d;
+  for (auto d : shape_)
+    if (__builtin_mul_overflow(n, d, &n)) return std::numeric_limits<std::int64_t>::max();
   return n;
 }
 
