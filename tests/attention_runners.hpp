@@ -6,6 +6,7 @@
 // are covered as soon as they are registered.
 #include <functional>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,9 @@ struct AttentionPath {
   bool reference_api = false;   // qkv::reference::attention instead of qkv::attention
   KernelKind kernel = KernelKind::automatic;
 };
+
+// GoogleTest prints a parameter with this (instead of its bytes).
+inline void PrintTo(const AttentionPath& p, std::ostream* os) { *os << p.name; }
 
 inline std::vector<AttentionPath> attention_paths() {
   return {{"reference::attention", true, KernelKind::automatic},
