@@ -21,7 +21,14 @@
 /// and BSHD (a permuted view) work, as do views into a packed QKV buffer.
 ///
 /// Thread safety: attention() may be called concurrently from many threads provided their
-/// outputs do not overlap; it keeps no global mutable state.
+/// outputs do not overlap (inputs may be shared); it keeps no global mutable state, and a result
+/// is bitwise the same whether calls run concurrently or alone, and for every num_threads.
+/// The call's own threads: AttentionParams::num_threads, else OMP_NUM_THREADS (docs/threads.md).
+///
+/// Hostile numbers (NaN, inf, huge, subnormal, empty shapes, sizes that overflow) behave as
+/// docs/semantics.md, "Hostile numbers", specifies: e.g. NaN stays in the rows that read it, a
+/// row with no admissible key gives O = 0 and softmax_lse = -inf, shapes whose sizes overflow int64
+/// are refused.
 
 #include <cstdint>
 #include <optional>
@@ -66,7 +73,8 @@ struct AttentionParams {
   std::optional<TensorView> kv_lens;
   /// Force an implementation (KernelKind::reference for the float64 specification).
   KernelKind kernel = KernelKind::automatic;
-  /// Threads used inside the call; 0 = OpenMP's default (OMP_NUM_THREADS or all cores).
+  /// Threads used inside the call; 0 = OpenMP's default (OMP_NUM_THREADS or all cores). Results
+  /// do not depend on it. Set 1 when calling from many application threads (docs/threads.md).
   int num_threads = 0;
 };
 

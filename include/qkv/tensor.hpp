@@ -30,8 +30,9 @@ using Shape = std::vector<std::int64_t>;
 /// Renders a shape as "[2,3,4]".
 std::string shape_str(const Shape& shape);
 
-/// Number of elements of a shape; throws qkv::Error naming `what` if a dimension is negative or
-/// the product overflows int64 (or a byte count of `elem_size` bytes overflows size_t).
+/// Number of elements of a shape; throws qkv::Error naming `what` if a dimension is negative,
+/// the product overflows int64, the product of the non-zero dimensions (the largest C-contiguous
+/// stride) overflows int64, or the byte count of `elem_size`-byte elements overflows size_t.
 std::int64_t checked_numel(const Shape& shape, std::size_t elem_size, std::string_view what);
 
 /// A non-owning view: data pointer, dtype, shape and strides (in elements).

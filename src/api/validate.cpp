@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "qkv/error.hpp"
@@ -14,6 +15,26 @@ namespace {
 std::string s(std::int64_t x) { return std::to_string(x); }
 
 bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
+
+// The element count must fit int64 (and its bytes size_t), and the bytes between the lowest and
+// the highest element must fit int64, so that no offset a kernel forms can overflow.
+void check_sizes(const TensorView& t, const char* name) {
+  checked_numel(t.shape(), dtype_size(t.dtype()), name);
+  if (t.numel() == 0) return;
+  std::int64_t ext = 0;
+  for (int a = 0; a < t.rank(); ++a) {
+    const std::int64_t st = t.stride(a);
+    std::int64_t e = 0;
+    if (st == std::numeric_limits<std::int64_t>::min() || __builtin_mul_overflow(t.size(a) - 1, st < 0 ? -st : st, &e) ||
+        __builtin_add_overflow(ext, e, &ext))
+      ext = -1;
+    if (ext < 0) break;
+  }
+  std::int64_t bytes = 0;
+  if (ext < 0 || __builtin_mul_overflow(ext + 1, static_cast<std::int64_t>(dtype_size(t.dtype())), &bytes))
+    throw Error(std::string(name) + ": strides " + shape_str(t.strides()) + " with shape " + shape_str(t.shape()) +
+                " span more bytes than an int64 offset can address");
+}
 
 // A null data pointer is only acceptable for a view of no elements. checked_numel() first:
 // TensorView::numel() of an overflowing shape would itself overflow.
@@ -37,6 +58,7 @@ void check_rank4(const TensorView& t, const char* name, const char* axes) {
   if (t.rank() != 4)
     throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
                 s(t.rank()) + " with shape " + shape_str(t.shape()));
+  check_sizes(t, name);
   check_data(t, name);
   if (t.size(3) > 1 && t.stride(3) != 1)
     throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
@@ -143,6 +165,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(l.shape()));
     if (l.dtype() != DType::f32 && l.dtype() != DType::f64)
       throw Error("softmax_lse: expected dtype float32 or float64, got " + std::string(dtype_name(l.dtype())));
+    check_sizes(l, "softmax_lse");
     check_data(l, "softmax_lse");
     check_distinct(l, "softmax_lse");
     check_no_overlap(*softmax_lse, "softmax_lse", out, "out");
@@ -155,6 +178,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
                   ", got " + shape_str(pr.shape()));
     if (pr.dtype() != DType::f32 && pr.dtype() != DType::f64)
       throw Error("probs: expected dtype float32 or float64, got " + std::string(dtype_name(pr.dtype())));
+    check_sizes(pr, "probs");
     check_data(pr, "probs");
     check_distinct(pr, "probs");
     check_no_overlap(*probs, "probs", out, "out");
@@ -162,7 +186,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     p.probs = lower_out(pr);
   }
 
-  // After the shape checks above, so that every extent computed here is of a validated shape.
+  // After the shape and extent checks above, so that every extent computed here fits int64.
   for (const auto* in : {&q, &k, &v}) {
     const char* n = in == &q ? "q" : in == &k ? "k" : "v";
     check_no_overlap(out, "out", *in, n);
@@ -201,6 +225,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     if (m.dtype() != DType::b8 && m.dtype() != DType::f32 && m.dtype() != DType::f64)
       throw Error("mask: expected dtype bool (true = attend) or float32/float64 (additive), got " +
                   std::string(dtype_name(m.dtype())));
+    check_sizes(m, "mask");
     check_data(m, "mask");
     std::int64_t st[4] = {0, 0, 0, 0};
     const int off = 4 - m.rank();

@@ -52,6 +52,12 @@ std::int64_t checked_numel(const Shape& shape, std::size_t elem_size, std::strin
       throw Error(std::string(what) + ": element count of shape " + shape_str(shape) + " overflows int64");
     n *= d;
   }
+  // The C-contiguous strides multiply the non-zero dimensions: they must fit int64 even when a
+  // zero dimension makes the tensor empty (shape (0, 2^40, 2^40) has no representable strides).
+  std::int64_t span = 1;
+  for (auto d : shape)
+    if (d > 1 && __builtin_mul_overflow(span, d, &span))
+      throw Error(std::string(what) + ": the strides of shape " + shape_str(shape) + " overflow int64");
   if (elem_size && static_cast<std::uint64_t>(n) > std::numeric_limits<std::size_t>::max() / elem_size / 2)
     throw Error(std::string(what) + ": byte size of shape " + shape_str(shape) + " overflows size_t");
   return n;
