@@ -34,10 +34,9 @@ TEST(FuzzRegressions, NpyEmptyShapeWithOverflowingStrides) {
                                           "[0,3333333333333,333333333] overflows", 0), 0u)
         << e.what();
   }
-  // The same shape as a view: constructing it is defined (strides saturate), using it is refused.
-  const qkv::TensorView v(nullptr, qkv::DType::i32, {0, 3333333333333, 333333333});
-  EXPECT_EQ(v.numel(), 0);
-  EXPECT_THROW(qkv::checked_numel(v.shape(), 4, "v"), qkv::Error);
+  // The same shape as a view is refused when constructed: its strides do not fit int64.
+  EXPECT_THROW(qkv::TensorView(nullptr, qkv::DType::i32, {0, 3333333333333, 333333333}), qkv::Error);
+  EXPECT_THROW(qkv::checked_numel({0, 3333333333333, 333333333}, 4, "v"), qkv::Error);
 }
 
 }  // namespace

@@ -532,12 +532,12 @@ TEST_P(Hostile, ShapesWhoseSizeOverflowsAreRefused) {
   const TensorView q(one, DType::f32, {1, 1, t, 1}, {0, 0, 0, 1});
   const TensorView kv(one, DType::f32, {1, 1, t, 1}, {0, 0, 0, 1});
   float sink[8] = {};
-  const TensorView o(sink, DType::f32, {1, 1, t, 1}, {0, 0, 0, 1});
+  const TensorView o(sink, DType::f32, {1, 1, t, 1}, {0, 0, 1, 1});
   const TensorView p(sink + 4, DType::f32, {1, 1, t, t}, {0, 0, 0, 1});
   refused(q, kv, kv, o, p, "probs: element count of shape");
   // Strides whose byte extent overflows int64 are refused before any address is formed.
   const TensorView far(one, DType::f32, {3, 1, 1, 1}, {std::int64_t{1} << 62, 1, 1, 1});
-  refused(far, small, small, small, std::nullopt, "q: strides");
+  refused(far, small, small, small, std::nullopt, "q: expected strides whose byte extent fits in int64");
 }
 
 // Element offsets beyond 2^31 (and byte offsets beyond 2^33): K and V rows lie 2^31 + 64

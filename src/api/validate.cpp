@@ -32,8 +32,8 @@ void check_sizes(const TensorView& t, const char* name) {
   }
   std::int64_t bytes = 0;
   if (ext < 0 || __builtin_mul_overflow(ext + 1, static_cast<std::int64_t>(dtype_size(t.dtype())), &bytes))
-    throw Error(std::string(name) + ": strides " + shape_str(t.strides()) + " with shape " + shape_str(t.shape()) +
-                " span more bytes than an int64 offset can address");
+    throw Error(std::string(name) + ": expected strides whose byte extent fits in int64, got strides " +
+                shape_str(t.strides()) + " with shape " + shape_str(t.shape()));
 }
 
 // A null data pointer is only acceptable for a view of no elements. checked_numel() first:
