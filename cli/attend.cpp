@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "options.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
@@ -32,21 +33,6 @@ NpyArray read_input(const std::string& flag, const std::string& path) {
   if (a.shape().size() != 4)
     throw Error(flag + ": expected a 4-D array, got shape " + shape_str(a.shape()) + " in " + path);
   return a;
-}
-
-std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) {
-  const auto comma = s.find(',');
-  auto bad = [&] { return Error("--window: expected LEFT,RIGHT (integers >= -1), got '" + s + "'"); };
-  if (comma == std::string::npos) throw bad();
-  try {
-    std::size_t n1 = 0, n2 = 0;
-    const std::string a = s.substr(0, comma), b = s.substr(comma + 1);
-    const long long l = std::stoll(a, &n1), r = std::stoll(b, &n2);
-    if (n1 != a.size() || n2 != b.size()) throw bad();
-    return {l, r};
-  } catch (const std::logic_error&) {
-    throw bad();
-  }
 }
 
 void run_attend(const AttendOptions& o) {

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "io/atomic_file.hpp"
 #include "qkv/error.hpp"
 #include "qkv/info.hpp"
 #include "qkv/version.hpp"
@@ -248,23 +249,7 @@ json peaks_json(const bench::Peaks& p) {
 
 // Writes `text` to `path` through a temporary file and a rename, so that no partial file is left.
 void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp" + std::to_string(getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error("cannot open '" + path + "' for writing");
-    f << text;
-    if (!f.flush()) {
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      throw Error("write to '" + path + "' failed");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw Error("cannot write '" + path + "'");
-  }
+  qkv::detail::write_file_atomically(path, [&](std::ostream& f) { f << text; });
 }
 
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "options.hpp"
 #include "models.hpp"
 #include "qkv/error.hpp"
 #include "qkv/llama.hpp"
@@ -45,21 +46,6 @@ NpyArray read(const std::string& flag, const std::string& path) {
     return read_npy(path);
   } catch (const Error& e) {
     throw Error(flag + ": " + e.what());
-  }
-}
-
-std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) {
-  auto bad = [&] { return Error("--window: expected LEFT,RIGHT (integers >= -1), got '" + s + "'"); };
-  const auto comma = s.find(',');
-  if (comma == std::string::npos) throw bad();
-  try {
-    std::size_t n1 = 0, n2 = 0;
-    const std::string a = s.substr(0, comma), b = s.substr(comma + 1);
-    const long long l = std::stoll(a, &n1), r = std::stoll(b, &n2);
-    if (n1 != a.size() || n2 != b.size()) throw bad();
-    return {l, r};
-  } catch (const std::logic_error&) {
-    throw bad();
   }
 }
 

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <system_error>
 
+#include "io/atomic_file.hpp"
 #include "qkv/error.hpp"
 
 // stb_easy_font defines only static functions (v1.1), so including it here is self-contained.
@@ -199,25 +200,9 @@ std::vector<std::uint8_t> encode_png(const Image& image) {
 }
 
 void write_file_atomic(const std::filesystem::path& path, const void* data, std::size_t size) {
-  std::filesystem::path tmp = path;
-  tmp += ".tmp" + std::to_string(::getpid());
-  std::error_code ec;
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(path.string() + ": cannot open for writing");
+  qkv::detail::write_file_atomically(path, [&](std::ostream& f) {
     f.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
-    f.flush();
-    if (!f) {
-      f.close();
-      std::filesystem::remove(tmp, ec);
-      throw Error(path.string() + ": write failed");
-    }
-  }
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw Error(path.string() + ": cannot rename the finished file into place");
-  }
+  });
 }
 
 }  // namespace qkv::explain

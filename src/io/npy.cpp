@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "io/atomic_file.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
@@ -297,31 +298,14 @@ void write_npy(const std::filesystem::path& path, const TensorView& t) {
   const void* src = t.is_contiguous() ? t.data() : c.data();
   const std::size_t bytes = static_cast<std::size_t>(t.numel()) * dtype_size(t.dtype());
 
-  std::filesystem::path tmp = path;
-  tmp += ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(path.string() + ": cannot open for writing");
+  detail::write_file_atomically(path, [&](std::ostream& f) {
     const unsigned char pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
                                    static_cast<unsigned char>(header.size() & 0xff),
                                    static_cast<unsigned char>(header.size() >> 8)};
     f.write(reinterpret_cast<const char*>(pre), 10);
     f.write(header.data(), static_cast<std::streamsize>(header.size()));
     if (bytes) f.write(static_cast<const char*>(src), static_cast<std::streamsize>(bytes));
-    f.flush();
-    if (!f) {
-      f.close();
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      throw Error(path.string() + ": write failed");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw Error(path.string() + ": cannot rename the finished file into place");
-  }
+  });
 }
 
 }  // namespace qkv

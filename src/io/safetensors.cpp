@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "io/atomic_file.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
 #include "tensor/convert.hpp"
@@ -300,11 +301,7 @@ void write_safetensors(const std::filesystem::path& path,
   std::string header = h.dump();
   header.append((8 - header.size() % 8) % 8, ' ');  // keeps the data buffer 8-byte aligned
 
-  std::filesystem::path tmp = path;
-  tmp += ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) throw Error(path.string() + ": cannot open for writing");
+  detail::write_file_atomically(path, [&](std::ostream& f) {
     unsigned char len[8];
     for (int i = 0; i < 8; ++i)
       len[i] = static_cast<unsigned char>(static_cast<std::uint64_t>(header.size()) >> (8 * i));
@@ -317,20 +314,7 @@ void write_safetensors(const std::filesystem::path& path,
           static_cast<std::streamsize>(t.numel() * static_cast<std::int64_t>(dtype_size(t.dtype())));
       if (bytes) f.write(static_cast<const char*>(src), bytes);
     }
-    f.flush();
-    if (!f) {
-      f.close();
-      std::error_code ec;
-      std::filesystem::remove(tmp, ec);
-      throw Error(path.string() + ": write failed");
-    }
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw Error(path.string() + ": cannot rename the finished file into place");
-  }
+  });
 }
 
 std::map<std::string, Tensor> read_weights(const std::filesystem::path& path) {

@@ -1,0 +1,28 @@
+#pragma once
+// Parsing of option values shared by several subcommands.
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "qkv/error.hpp"
+
+namespace qkv::cli {
+
+/// Parses `--window LEFT,RIGHT` (two integers; -1 = unbounded, checked by the attention op).
+inline std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) {
+  auto bad = [&] { return Error("--window: expected LEFT,RIGHT (integers >= -1), got '" + s + "'"); };
+  const auto comma = s.find(',');
+  if (comma == std::string::npos) throw bad();
+  try {
+    std::size_t n1 = 0, n2 = 0;
+    const std::string a = s.substr(0, comma), b = s.substr(comma + 1);
+    const long long l = std::stoll(a, &n1), r = std::stoll(b, &n2);
+    if (n1 != a.size() || n2 != b.size()) throw bad();
+    return {l, r};
+  } catch (const std::logic_error&) {
+    throw bad();
+  }
+}
+
+}  // namespace qkv::cli
