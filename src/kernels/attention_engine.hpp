@@ -489,6 +489,207 @@ struct Engine {
     }
   }
 
+  // ---- decode fast path: a few rows, no explicit mask, no softcap -----------------------------
+  // Rows of one (b, KV head) group (G query heads x Sq, at most kFastRows) against a chunk of
+  // keys, with the rows as plain arrays instead of the padded kBq-row block of process():
+  //   scores: for 4 keys at a time and up to kQkRows rows, D-vectorised FMAs into 4 x rows
+  //           accumulators, then one horizontal reduction per score (Ops::hsum4);
+  //   softmax: per row, over the tile's scores as vectors (vector exp);
+  //   PV: output rows in registers, broadcast(p_j) * v_j FMAs.
+  // bf16/fp16 K and V are converted in registers (Ops::load_bf16 / f16), never through a buffer.
+  // Keys admitted by only some rows of the group get -inf scores by select (NaN from an
+  // excluded K row is discarded) and weight-0 FMAs are skipped (masked) in PV.
+  static constexpr int kFastRows = BQ < 16 ? BQ : 16;
+  static constexpr int kQkRows = Ops::kAccRegs / 4 >= 4 ? 4 : (Ops::kAccRegs / 4 < 1 ? 1 : Ops::kAccRegs / 4);
+
+  static bool decode_fast_ok(const Problem& p) {
+    return p.mask.data == nullptr && p.softcap <= 0.0 && p.group() * p.Sq <= kFastRows &&
+           p.D % W == 0 && p.Dv % W == 0 && p.q.dtype != DType::f64;
+  }
+
+  template <Elt E>
+  static V load_elt(const void* base, i64 off) {
+    if constexpr (E == Elt::f32) return Ops::load(static_cast<const float*>(base) + off);
+    else if constexpr (E == Elt::bf16) return Ops::load_bf16(static_cast<const std::uint16_t*>(base) + off);
+    else return Ops::load_f16(static_cast<const std::uint16_t*>(base) + off);
+  }
+
+  // s[r * BK + j + t] = q_r . k_{j+t} for t < NK, rows r < MR.
+  template <Elt E, int MR, int NK>
+  static void fast_qk_mk(const float* qr, i64 D, const void* k, i64 koff, i64 ks, float* s) {
+    V acc[MR][NK];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < NK; ++t) acc[r][t] = Ops::zero();
+    for (i64 d = 0; d < D; d += W) {
+      V kv[NK];
+#pragma GCC unroll 4
+      for (int t = 0; t < NK; ++t) kv[t] = load_elt<E>(k, koff + t * ks + d);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const V q = Ops::load(qr + r * D + d);
+#pragma GCC unroll 4
+        for (int t = 0; t < NK; ++t) acc[r][t] = Ops::fma(q, kv[t], acc[r][t]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      if constexpr (NK == 4) Ops::hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * BK);
+      else s[r * BK] = Ops::hsum(acc[r][0]);
+    }
+  }
+
+  template <Elt E, int MR>
+  static void fast_qk_rows(const float* qr, i64 D, const void* k, i64 koff, i64 ks, int kt, float* s) {
+    int j = 0;
+    for (; j + 4 <= kt; j += 4) fast_qk_mk<E, MR, 4>(qr, D, k, koff + j * ks, ks, s + j);
+    for (; j < kt; ++j) fast_qk_mk<E, MR, 1>(qr, D, k, koff + j * ks, ks, s + j);
+  }
+
+  template <Elt E>
+  static void fast_qk(const float* qr, int n, i64 D, const void* k, i64 koff, i64 ks, int kt, float* s) {
+    int r = 0;
+    for (; r + kQkRows <= n; r += kQkRows) fast_qk_rows<E, kQkRows>(qr + r * D, D, k, koff, ks, kt, s + r * BK);
+    switch (n - r) {
+      case 1: fast_qk_rows<E, 1>(qr + r * D, D, k, koff, ks, kt, s + r * BK); break;
+      case 2: if constexpr (kQkRows > 2) fast_qk_rows<E, 2>(qr + r * D, D, k, koff, ks, kt, s + r * BK); break;
+      case 3: if constexpr (kQkRows > 3) fast_qk_rows<E, 3>(qr + r * D, D, k, koff, ks, kt, s + r * BK); break;
+      default: break;
+    }
+  }
+
+  static constexpr int fast_nc(int mr) {
+    int nc = Ops::kAccRegs / mr;
+    nc = nc > 8 ? 8 : nc;
+    int p2 = 1;
+    while (p2 * 2 <= nc) p2 *= 2;
+    return p2;
+  }
+
+  // o[r][c*W..] = alpha[r] o[r][c*W..] + sum_j p[r][j] v_j[c*W..], MR rows, NC vectors.
+  template <Elt E, int MR, int NC, bool SKIP>
+  static void fast_pv_mk(const float* s, const void* v, i64 voff, i64 vs, int kt, float* o, i64 os,
+                         const float* alpha) {
+    V acc[MR][NC];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const V a = Ops::set1(alpha[r]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[r][c] = Ops::mul(Ops::load(o + r * os + c * W), a);
+    }
+    for (int j = 0; j < kt; ++j) {
+      V vv[NC];
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) vv[c] = load_elt<E>(v, voff + j * vs + c * W);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const float pj = s[r * BK + j];
+        const V pb = Ops::set1(pj);
+        if constexpr (SKIP && Ops::kMaskedFma) {
+          const auto k = Ops::nonzero(pb);
+#pragma GCC unroll 8
+          for (int c = 0; c < NC; ++c) acc[r][c] = Ops::fma_mask(pb, vv[c], acc[r][c], k);
+        } else {
+          if constexpr (SKIP) {
+            if (pj == 0.0f) continue;
+          }
+#pragma GCC unroll 8
+          for (int c = 0; c < NC; ++c) acc[r][c] = Ops::fma(pb, vv[c], acc[r][c]);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) Ops::store(o + r * os + c * W, acc[r][c]);
+  }
+
+  template <Elt E, int MR, bool SKIP>
+  static void fast_pv_rows(const float* s, const void* v, i64 voff, i64 vs, int kt, float* o, i64 os,
+                           const float* alpha, int nvec) {
+    constexpr int NC = fast_nc(MR);
+    int c = 0;
+    for (; c + NC <= nvec; c += NC)
+      fast_pv_mk<E, MR, NC, SKIP>(s, v, voff + c * W, vs, kt, o + c * W, os, alpha);
+    for (; c < nvec; ++c) fast_pv_mk<E, MR, 1, SKIP>(s, v, voff + c * W, vs, kt, o + c * W, os, alpha);
+  }
+
+  template <Elt E, bool SKIP>
+  static void fast_pv(const float* s, int n, const void* v, i64 voff, i64 vs, int kt, float* o, i64 os,
+                      const float* alpha, int nvec) {
+    int r = 0;
+    for (; r + 4 <= n; r += 4) fast_pv_rows<E, 4, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec);
+    switch (n - r) {
+      case 1: fast_pv_rows<E, 1, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec); break;
+      case 2: fast_pv_rows<E, 2, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec); break;
+      case 3: fast_pv_rows<E, 3, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec); break;
+      default: break;
+    }
+  }
+
+  // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb): leaves the
+  // unnormalised O, m and l in `w`, as process() does.
+  template <Elt E>
+  static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
+    const int n = blk.n;
+    const i64 D = p.D, Dvp = dvp(p);
+    const int nvec = static_cast<int>(Dvp / W);
+    const float scale = static_cast<float>(p.scale);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    for (int r = 0; r < n; ++r) { w.m[r] = neg_inf; w.l[r] = 0.0f; }
+    for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
+    if (blk.ka >= blk.kb) return;
+    for (int r = 0; r < n; ++r) to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
+    const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
+    const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
+    float* s = w.s;  // [n][BK] scores, then weights
+    const V vscale = Ops::set1(scale);
+    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) {
+      const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
+      const int kt = static_cast<int>(t1 - t0);
+      const int ktp = static_cast<int>(round_up(kt, W));
+      fast_qk<E>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s);
+      bool partial = false;
+      for (int r = 0; r < n; ++r) {
+        float* sr = s + r * BK;
+        const Row& row = w.rows[r];
+        for (int j = 0; j < ktp; j += W) Ops::store(sr + j, Ops::mul(Ops::load(sr + j), vscale));
+        if (t0 < row.lo || t1 > row.hi) {
+          partial = true;
+          for (int j = 0; j < kt; ++j)
+            if (t0 + j < row.lo || t0 + j >= row.hi) sr[j] = neg_inf;
+        }
+        for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
+        V mx = Ops::set1(neg_inf);
+        for (int j = 0; j < ktp; j += W) mx = Ops::max(mx, Ops::load(sr + j));
+        float lanes[W];
+        Ops::store(lanes, mx);
+        float m_tile = neg_inf;
+        for (int x = 0; x < W; ++x) m_tile = lanes[x] > m_tile ? lanes[x] : m_tile;
+        const float mo = w.m[r];
+        const float mn = mo > m_tile ? mo : m_tile;
+        const float ms = mn == neg_inf ? 0.0f : mn;  // nothing admitted yet: exp(-inf - 0) = 0
+        const V vms = Ops::set1(ms);
+        Ops::store(lanes, Ops::exp(Ops::set1(mo - ms)));
+        const float a = lanes[0];
+        V sum = Ops::zero();
+        for (int j = 0; j < ktp; j += W) {
+          const V pj = Ops::exp(Ops::sub(Ops::load(sr + j), vms));
+          Ops::store(sr + j, pj);
+          sum = Ops::add(sum, pj);
+        }
+        w.l[r] = w.l[r] * a + Ops::hsum(sum);
+        w.m[r] = mn;
+        w.alpha[r] = a;
+      }
+      if (partial)
+        fast_pv<E, true>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec);
+      else
+        fast_pv<E, false>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec);
+    }
+  }
+
   // ---- rows and ranges -----------------------------------------------------------------------
   static Row make_row(const Problem& p, i64 b, i64 h, i64 i) {
     Row r;
@@ -619,6 +820,7 @@ struct Engine {
     const i64 row_f = Dvp + 2;
     const i64 items = p.B * p.Hkv * nrb * NC;
     const i64 G = p.group();
+    const bool fast = decode_fast_ok(p);
 #pragma omp parallel num_threads(threads)
     {
       const Ws w = carve(p, ws + wsb * omp_get_thread_num());
@@ -642,7 +844,12 @@ struct Engine {
         block_range(w, n, lo, hi, blk.max_lo, blk.min_hi);
         blk.ka = std::max(lo, c * C);
         blk.kb = std::min(hi, (c + 1) * C);
-        process<E, DP, MASK, CAP>(p, blk, w);
+        if constexpr (!MASK && !CAP) {
+          if (fast) process_fast<E>(p, blk, w);
+          else process<E, DP, MASK, CAP>(p, blk, w);
+        } else {
+          process<E, DP, MASK, CAP>(p, blk, w);
+        }
         float* dst = parts + ((bhk * NC + c) * R + r0) * row_f;
         for (int r = 0; r < n; ++r) {
           std::memcpy(dst + r * row_f, w.o + r * Dvp, Dvp * sizeof(float));

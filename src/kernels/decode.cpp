@@ -8,6 +8,14 @@
 // All query heads that share a KV head (GQA) and all Sq rows form one block of rows, so K and V
 // are read once per KV head, not once per query head.
 //
+// Fast path (attention_engine.hpp, process_fast): when the rows of a group are few (G x Sq <=
+// min(kBq, 16)), D and Dv are multiples of the vector width, and there is no explicit mask and no
+// softcap, a chunk is processed without the padded row block: scores of 4 keys x up to 4 rows at
+// once (D-vectorised FMAs, one hadd tree per 4 scores), vector exp over the tile's scores, PV with
+// the output rows in registers; bf16/fp16 K and V are widened in registers (exact), so bf16
+// decode computes in fp32 throughout (no bf16 rounding of P as in the vdpbf16ps block path).
+// Other cases (masks, softcap, many rows, odd D) use the tile engine unchanged.
+//
 // Threading: one work item per (batch, KV head, row block, chunk), dynamic schedule. The chunk
 // size depends only on the problem (at most 64 chunks per KV head, at least 4 key tiles, partials
 // bounded to ~16 MiB), and the merge runs in chunk order, so results are bitwise identical for

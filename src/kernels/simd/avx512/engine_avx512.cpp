@@ -20,6 +20,7 @@
 // exact in fp32; the only extra rounding is that of P (relative 2^-9), see docs/accuracy.md.
 // GCC 12 reports its own AVX-512 intrinsics' undefined pass-through operand as maybe-uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cmath>
@@ -80,6 +81,22 @@ struct Ops {
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
   }
   static float hsum(V x) { return _mm512_reduce_add_ps(x); }
+  // Four horizontal sums at once: halves added, then a hadd tree (decode fast path).
+  static __m256 half_sum(V x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+  }
+  static void hsum4(V a, V b, V c, V d, float* out) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+  }
+  // 16 bf16 -> fp32: widen and shift into the high half (exact).
+  static V load_bf16(const std::uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static V load_f16(const std::uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   // PV on partially masked tiles: lanes whose weight is 0 keep the accumulator (no 0 * NaN).
   static constexpr bool kMaskedFma = true;
   static __mmask16 nonzero(V p) { return _mm512_cmp_ps_mask(p, _mm512_setzero_ps(), _CMP_NEQ_UQ); }

@@ -39,6 +39,9 @@ struct Ops {
     return lo <= g && g < hi ? x : -std::numeric_limits<float>::infinity();
   }
   static float hsum(V x) { return x; }
+  static void hsum4(V a, V b, V c, V d, float* out) { out[0] = a; out[1] = b; out[2] = c; out[3] = d; }
+  static V load_bf16(const std::uint16_t* p) { return bf16_to_float(*p); }
+  static V load_f16(const std::uint16_t* p) { return half_to_float(*p); }
   static constexpr bool kMaskedFma = false;
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     for (std::int64_t x = 0; x < n; ++x) d[x] = half_to_float(s[x]);
