@@ -39,7 +39,8 @@ namespace qkv::detail {
 /// The engine of the active ISA level (active_isa(): CPU, QKV_ISA, set_isa_cap) and whether
 /// its bf16 dot-product path may be used.
 const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept;
-/// Threads a call uses: params.num_threads, or OpenMP's default when 0.
+/// Threads a call uses: params.num_threads, or OpenMP's default when 0 (1 for calls under ~10^6
+/// multiply-adds, which cannot repay waking a thread team).
 int call_threads(const Problem& p) noexcept;
 /// "avx512bf16 avx512 avx2 scalar": the compiled levels, each marked usable or not on this CPU.
 std::string isa_summary();

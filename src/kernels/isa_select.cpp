@@ -22,7 +22,14 @@ const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept {
 }
 
 int call_threads(const Problem& p) noexcept {
-  return p.num_threads > 0 ? p.num_threads : omp_get_max_threads();
+  if (p.num_threads > 0) return p.num_threads;
+  // A call too small to repay waking a thread team (microseconds, far more on a busy machine)
+  // runs on the calling thread: one decode step of a small model, say. The result does not
+  // depend on the thread count, so this changes only the time.
+  constexpr double kMinParallelMacs = 1 << 20;
+  const double macs = static_cast<double>(p.B) * static_cast<double>(p.Hq) * static_cast<double>(p.Sq) *
+                      static_cast<double>(p.Sk) * static_cast<double>(p.D + p.Dv);
+  return macs < kMinParallelMacs ? 1 : omp_get_max_threads();
 }
 
 std::string isa_summary() {
