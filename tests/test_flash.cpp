@@ -14,41 +14,7 @@
 using namespace qkv;
 using namespace qkv::test;
 
-namespace {
-
-void run_grid(int n, std::uint64_t seed, double budget, bool decode, double naive_factor = 2.0) {
-  std::mt19937_64 rng(seed);
-  Stats worst;
-  double worst_dt[3][2] = {};  // per dtype (f32, bf16, f16): worst fast error, worst naive error
-  double worst_ratio = 0;      // fp32: worst (fast error - 1e-6) / naive error
-  int over2 = 0;               // fp32 configurations above the CI bound 2 x naive + 1e-6
-  for (int t = 0; t < n; ++t) {
-    const Config c = random_config(rng, decode, budget);
-    const Stats s = run_case(c, decode ? KernelKind::decode : KernelKind::flash, true, naive_factor);
-    const int di = c.dtype == DType::f32 ? 0 : c.dtype == DType::bf16 ? 1 : 2;
-    worst_dt[di][0] = std::max(worst_dt[di][0], s.err);
-    worst_dt[di][1] = std::max(worst_dt[di][1], s.naive_err);
-    if (di == 0 && s.naive_err > 0) worst_ratio = std::max(worst_ratio, (s.err - 1e-6) / s.naive_err);
-    if (di == 0 && s.err > 2 * s.naive_err + 1e-6) ++over2;
-    worst.err = std::max(worst.err, s.err);
-    worst.naive_err = std::max(worst.naive_err, s.naive_err);
-    if (::testing::Test::HasFailure()) {
-      ADD_FAILURE() << "stopping at configuration " << t << ": " << c.str();
-      return;
-    }
-  }
-  std::printf("%d configurations: worst fast error %.3g, worst naive fp32 error %.3g\n", n, worst.err,
-              worst.naive_err);
-  const char* names[3] = {"float32", "bfloat16", "float16"};
-  for (int d = 0; d < 3; ++d)
-    std::printf("  %s: worst fast error %.3g, worst naive fp32 error %.3g\n", names[d], worst_dt[d][0], worst_dt[d][1]);
-  std::printf("  float32: worst (fast error - 1e-6) / naive error = %.3g (bound %g); above 2: %d\n", worst_ratio,
-              naive_factor, over2);
-}
-
-}  // namespace
-
-TEST(Flash, RandomGrid) { run_grid(120, 12345, 2.5e6, false); }
+TEST(Flash, RandomGrid) { run_random_grid(120, 12345, 2.5e6, false); }
 
 // Tails and sizes that a random draw may miss: every D of the grid with the long S.
 TEST(Flash, GridLong) {
@@ -94,7 +60,7 @@ TEST(Flash, DISABLED_Soak) {
   // Thousands of configurations include cases of a few rows with +-20 sigma outliers where the
   // error is set by the rounding of scores of size ~100 and the ratio of two such roundings
   // exceeds 2 now and then: the soak bound is 4 x naive, and it reports how many exceed 2.
-  run_grid(n, 987654321, 6e6, false, 4.0);
+  run_random_grid(n, 987654321, 6e6, false, 4.0);
 }
 
 // fp16 inputs whose raw product exceeds the fp16 range: q.k = 80000, scale 0.5.
