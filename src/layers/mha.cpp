@@ -140,6 +140,24 @@ void finish_probs(const ProbsPlan& plan, const MhaOptions& o) {
   if (plan.all) average_heads(*plan.all, *o.probs);
 }
 
+// The packed projection of self-attention: one GEMM gives proj [B, S, Hq*D | Hkv*D | Hkv*Dv],
+// and q, k, v are strided [B, H, S, D] views of it (BSHD), never copies.
+struct PackedQkv {
+  Tensor proj;
+  TensorView q, k, v;
+};
+PackedQkv project_packed(const TensorView& x, const Tensor& w_in, const float* b_in, const MhaConfig& cfg) {
+  const std::int64_t B = x.size(0), S = x.size(1), N = w_in.shape()[0];
+  const std::int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim, Dv = cfg.head_dim_v;
+  PackedQkv r{Tensor(DType::f32, {B, S, N}), {}, {}, {}};
+  linear(x, w_in.data_as<const float>(), cfg.d_model, N, b_in, r.proj.data_as<float>(), S * N, N);
+  float* pd = r.proj.data_as<float>();
+  r.q = TensorView(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
+  r.k = TensorView(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
+  r.v = TensorView(pd + Hq * D + Hkv * D, DType::f32, {B, Hkv, S, Dv}, {S * N, Dv, N, 1});
+  return r;
+}
+
 }  // namespace
 
 MultiHeadAttention::MultiHeadAttention(const MhaConfig& config) : cfg_(config) {
@@ -217,16 +235,9 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
   if (y.size(0) != B || y.size(1) != S)
     throw Error("mha: y: expected shape [B,S,d_model] = " + shape_str({B, S, cfg_.d_model}) + ", got " +
                 shape_str(y.shape()));
-  const std::int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, Dv = cfg_.head_dim_v;
-  const std::int64_t N = w_in_.shape()[0];
-  // One GEMM for q, k and v: proj [B, S, Hq*D | Hkv*D | Hkv*Dv].
-  Tensor proj(DType::f32, {B, S, N});
-  linear(x, w_in_.data_as<const float>(), cfg_.d_model, N,
-         cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, proj.data_as<float>(), S * N, N);
-  float* pd = proj.data_as<float>();
-  const TensorView q(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
-  const TensorView k(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
-  const TensorView v(pd + Hq * D + Hkv * D, DType::f32, {B, Hkv, S, Dv}, {S * N, Dv, N, 1});
+  const std::int64_t Hq = cfg_.num_heads, Dv = cfg_.head_dim_v;
+  const PackedQkv packed = project_packed(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
+  const TensorView &q = packed.q, &k = packed.k, &v = packed.v;
   if (cfg_.rope) {
     const std::vector<std::int64_t> def =
         options.q_positions.empty() ? iota_positions(S) : std::vector<std::int64_t>{};
@@ -307,14 +318,8 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
       throw Error("kv_cache: append of " + s(S) + " tokens to sequence " + s(b) + " at length " +
                   s(cache.length(b)) + " exceeds the capacity " + s(cache.capacity()) + " (" +
                   s(cache.length(b) + S) + " > " + s(cache.capacity()) + ")");
-  const std::int64_t N = w_in_.shape()[0];
-  Tensor proj(DType::f32, {B, S, N});
-  linear(x, w_in_.data_as<const float>(), cfg_.d_model, N,
-         cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, proj.data_as<float>(), S * N, N);
-  float* pd = proj.data_as<float>();
-  const TensorView q(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
-  const TensorView k(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
-  const TensorView v(pd + Hq * D + Hkv * D, DType::f32, {B, Hkv, S, Dv}, {S * N, Dv, N, 1});
+  const PackedQkv packed = project_packed(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
+  const TensorView &q = packed.q, &k = packed.k, &v = packed.v;
   if (cfg_.rope) {
     const std::vector<std::int64_t> pos = cache.next_positions(S);
     apply_rope(q, pos, *cfg_.rope);
