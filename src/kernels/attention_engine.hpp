@@ -11,7 +11,9 @@
 // Haziza, Massa, Sizov 2023), partial results merged by their log-sum-exp.
 //
 // Tiling. A block of up to Ops::kBq query rows is processed against the admissible keys in
-// tiles of Ops::kBk keys. Per thread, in its workspace:
+// tiles of Ops::kBk keys; flash takes two adjacent blocks at a time through the same tiles in
+// lockstep (process_pair), so each K/V tile is fetched from L3/DRAM once per pair. Per block, in
+// the thread's workspace:
 //   qt  [D][SP]      the block's queries transposed (SP = rows rounded up to the vector width);
 //                    bf16 dot path: qp [ceil(D/2)][SP] bf16 pairs
 //   s   [kBk][SP]    scores of one tile, transposed (key-major): the vectors run over queries,
@@ -386,22 +388,50 @@ struct Engine {
   // Rows of `blk` against keys [blk.ka, blk.kb): leaves the unnormalised O, m and l in `w`.
   template <Elt E, bool DP, bool MASK, bool CAP>
   static void process(const Problem& p, const Block& blk, const Ws& w) {
+    begin<E, DP>(p, blk, w);
+    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) step<E, DP, MASK, CAP>(p, blk, w, t0, true);
+  }
+
+  // Two query blocks of one (batch, head), tile by tile in lockstep: the second block reads each
+  // K/V tile from L1/L2 just after the first, so K and V stream from L3 or DRAM once per pair of
+  // blocks instead of once per block (long rows: Sq = Sk = 16384, D = 128). Each block sees its
+  // own tiles in its own order, exactly as process() would: pairing changes no result.
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void process_pair(const Problem& p, const Block& a, const Ws& wa, const Block& b, const Ws& wb) {
+    begin<E, DP>(p, a, wa);
+    begin<E, DP>(p, b, wb);
+    i64 ta = a.ka, tb = b.ka;
+    while (ta < a.kb || tb < b.kb) {
+      bool prefetch = true;
+      if (ta < a.kb) {
+        step<E, DP, MASK, CAP>(p, a, wa, ta, true);
+        ta += BK;
+        prefetch = false;
+      }
+      if (tb < b.kb) {
+        step<E, DP, MASK, CAP>(p, b, wb, tb, prefetch);
+        tb += BK;
+      }
+    }
+  }
+
+  // A few rows: dot-product form (vectors along D) instead of outer products over queries.
+  static bool few_rows(int n) { return n <= kFewRows; }
+
+  // Starts a block: running max and sum, zero accumulator, packed queries, row ranges.
+  template <Elt E, bool DP>
+  static void begin(const Problem& p, const Block& blk, const Ws& w) {
     const int n = blk.n;
     const int nqv = (n + W - 1) / W;
     const int sp = nqv * W;
-    const int ssp = sp + W;  // score pitch off a power of two (L1 set conflicts)
-    const i64 D = p.D, Dv = p.Dv, Dvp = dvp(p);
-    const int nvec = static_cast<int>(Dvp / W);
-    const float scale = static_cast<float>(p.scale);
-    const float cap = static_cast<float>(p.softcap);
+    const i64 D = p.D, Dvp = dvp(p);
     const float neg_inf = -std::numeric_limits<float>::infinity();
 
     for (int r = 0; r < BQ; ++r) { w.m[r] = neg_inf; w.l[r] = 0.0f; }
     for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
     if (blk.ka >= blk.kb) return;
 
-    // A few rows: dot-product form (vectors along D) instead of outer products over queries.
-    const bool few = n <= kFewRows;
+    const bool few = few_rows(n);
     // Pack Q: transposed fp32 (or bf16 pairs for the dot-product path), padded rows zero.
     if constexpr (DP) {
       std::uint32_t* qp = reinterpret_cast<std::uint32_t*>(w.qt);
@@ -423,121 +453,137 @@ struct Engine {
     }
 
     // Row ranges as floats for the vector select (exact while key indices stay below 2^24).
-    const bool vec_ranges = blk.kb < (i64{1} << 24);
-    if (vec_ranges)
+    if (vec_ranges(blk))
       for (int r = 0; r < sp; ++r) {
         w.lo_f[r] = r < n ? static_cast<float>(w.rows[r].lo) : -1e30f;
         w.hi_f[r] = r < n ? static_cast<float>(w.rows[r].hi) : 1e30f;
       }
+  }
+
+  static bool vec_ranges(const Block& blk) { return blk.kb < (i64{1} << 24); }
+
+  // One key tile [t0, min(t0 + BK, blk.kb)) of a started block: S = QK^T, masks, online softmax,
+  // O = alpha O + PV. `prefetch`: request this tile's V and the next tile's K rows.
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void step(const Problem& p, const Block& blk, const Ws& w, i64 t0, bool prefetch) {
+    const int n = blk.n;
+    const int nqv = (n + W - 1) / W;
+    const int sp = nqv * W;
+    const int ssp = sp + W;  // score pitch off a power of two (L1 set conflicts)
+    const i64 D = p.D, Dv = p.Dv, Dvp = dvp(p);
+    const int nvec = static_cast<int>(Dvp / W);
+    const float scale = static_cast<float>(p.scale);
+    const float cap = static_cast<float>(p.softcap);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const bool few = few_rows(n);
     const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
     const bool v_inplace = E == Elt::f32 && Dv % W == 0;
     constexpr int esize = E == Elt::f32 ? 4 : 2;
 
-    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) {
-      const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
-      const int kt = static_cast<int>(t1 - t0);
-      const bool full = !MASK && t0 >= blk.max_lo && t1 <= blk.min_hi;
-      // This tile's V rows are requested during QK^T, the next tile's K rows during PV.
-      Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, Dv, esize);
-      Prefetch pf_k(p.k.data, k_base + t1 * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - t1)), D, esize);
+    const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
+    const int kt = static_cast<int>(t1 - t0);
+    const bool full = !MASK && t0 >= blk.max_lo && t1 <= blk.min_hi;
+    // This tile's V rows are requested during QK^T, the next tile's K rows during PV.
+    const int pk = prefetch ? static_cast<int>(std::min<i64>(BK, blk.kb - t1)) : 0;
+    Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, prefetch ? kt : 0, Dv, esize);
+    Prefetch pf_k(p.k.data, k_base + t1 * p.k.ss, p.k.ss, pk, D, esize);
 
-      // S = Q K^T for this tile.
-      if constexpr (DP) {
+    // S = Q K^T for this tile.
+    if constexpr (DP) {
+      pf_v.rest();
+      Ops::qk_bf16(reinterpret_cast<const std::uint32_t*>(w.qt), nqv,
+                   static_cast<const std::uint16_t*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
+                   kt, w.s, ssp);
+    } else {
+      const float* kt_ptr;
+      i64 kstride;
+      if constexpr (E == Elt::f32) {
+        kt_ptr = static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss;
+        kstride = p.k.ss;
+      } else {
+        for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
+        kt_ptr = w.kbuf;
+        kstride = D;
+      }
+      if (few) {
         pf_v.rest();
-        Ops::qk_bf16(reinterpret_cast<const std::uint32_t*>(w.qt), nqv,
-                     static_cast<const std::uint16_t*>(p.k.data) + k_base + t0 * p.k.ss, p.k.ss, D,
-                     kt, w.s, ssp);
+        qk_dot(w.qr, n, sp, D, kt_ptr, kstride, kt, w.s, ssp);
       } else {
-        const float* kt_ptr;
-        i64 kstride;
-        if constexpr (E == Elt::f32) {
-          kt_ptr = static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss;
-          kstride = p.k.ss;
-        } else {
-          for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
-          kt_ptr = w.kbuf;
-          kstride = D;
-        }
-        if (few) {
-          pf_v.rest();
-          qk_dot(w.qr, n, sp, D, kt_ptr, kstride, kt, w.s, ssp);
-        } else {
-          qk_tile(w.qt, nqv, kt_ptr, kstride, D, kt, w.s, ssp, pf_v);
-        }
+        qk_tile(w.qt, nqv, kt_ptr, kstride, D, kt, w.s, ssp, pf_v);
       }
-
-      // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).
-      float mul = scale;
-      if (!full && !MASK && !CAP && vec_ranges) {
-        // Causal/window/kv_lens edges only: a vector select per query vector.
-        mul = 1.0f;
-        for (int c = 0; c < nqv; ++c) {
-          const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W), vs = Ops::set1(scale);
-          for (int j = 0; j < kt; ++j) {
-            float* x = w.s + j * ssp + c * W;
-            Ops::store(x, Ops::range_select(Ops::mul(Ops::load(x), vs), lo, hi, Ops::set1(static_cast<float>(t0 + j))));
-          }
-        }
-      } else if (!full || CAP) {
-        mul = 1.0f;
-        for (int r = 0; r < n; ++r) {
-          const Row& row = w.rows[r];
-          for (int j = 0; j < kt; ++j) {
-            const i64 g = t0 + j;
-            float& x = w.s[j * ssp + r];
-            bool ok = g >= row.lo && g < row.hi;
-            float add = 0.0f;
-            if constexpr (MASK) {
-              const i64 mo = row.mask_off + g * p.mask.sk;
-              if (p.mask.dtype == DType::b8) {
-                ok = ok && static_cast<const std::uint8_t*>(p.mask.data)[mo] != 0;
-              } else {
-                add = p.mask.dtype == DType::f32 ? static_cast<const float*>(p.mask.data)[mo]
-                                                 : static_cast<float>(static_cast<const double*>(p.mask.data)[mo]);
-                ok = ok && add != neg_inf;
-              }
-            }
-            float y = x * scale;
-            if constexpr (CAP) y = cap * std::tanh(y / cap);
-            x = ok ? y + add : neg_inf;
-          }
-        }
-        // Padded rows (r >= n) keep their scores of the zero query (0): finite, never stored.
-      }
-
-      softmax_tile(w.s, ssp, kt, nqv, mul, w.m, w.l, w.alpha);
-
-      // O = alpha O + P V.
-      if constexpr (DP) {
-        if (full) {
-          pf_k.rest();
-          Ops::pack_p_bf16(w.s, ssp, nqv, kt, w.pp);
-          Ops::pack_v_bf16(static_cast<const std::uint16_t*>(p.v.data) + v_base + t0 * p.v.ss, p.v.ss,
-                           Dv, nvec, kt, w.vp);
-          Ops::pv_bf16(w.pp, sp, w.vp, nvec, (kt + 1) / 2, w.o, Dvp, w.alpha, n);
-          continue;
-        }
-      }
-      const float* vt;
-      i64 vs;
-      if (v_inplace) {
-        vt = static_cast<const float*>(p.v.data) + v_base + t0 * p.v.ss;
-        vs = p.v.ss;
-      } else {
-        for (int j = 0; j < kt; ++j) {
-          float* dst = w.vbuf + j * Dvp;
-          to_f32<E>(p.v.data, v_base + (t0 + j) * p.v.ss, dst, Dv);
-          for (i64 x = Dv; x < Dvp; ++x) dst[x] = 0.0f;
-        }
-        vt = w.vbuf;
-        vs = Dvp;
-      }
-      if (full)
-        pv_tile<false>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
-      else
-        pv_tile<true>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
     }
+
+    // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).
+    float mul = scale;
+    if (!full && !MASK && !CAP && vec_ranges(blk)) {
+      // Causal/window/kv_lens edges only: a vector select per query vector.
+      mul = 1.0f;
+      for (int c = 0; c < nqv; ++c) {
+        const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W), vs = Ops::set1(scale);
+        for (int j = 0; j < kt; ++j) {
+          float* x = w.s + j * ssp + c * W;
+          Ops::store(x, Ops::range_select(Ops::mul(Ops::load(x), vs), lo, hi, Ops::set1(static_cast<float>(t0 + j))));
+        }
+      }
+    } else if (!full || CAP) {
+      mul = 1.0f;
+      for (int r = 0; r < n; ++r) {
+        const Row& row = w.rows[r];
+        for (int j = 0; j < kt; ++j) {
+          const i64 g = t0 + j;
+          float& x = w.s[j * ssp + r];
+          bool ok = g >= row.lo && g < row.hi;
+          float add = 0.0f;
+          if constexpr (MASK) {
+            const i64 mo = row.mask_off + g * p.mask.sk;
+            if (p.mask.dtype == DType::b8) {
+              ok = ok && static_cast<const std::uint8_t*>(p.mask.data)[mo] != 0;
+            } else {
+              add = p.mask.dtype == DType::f32 ? static_cast<const float*>(p.mask.data)[mo]
+                                               : static_cast<float>(static_cast<const double*>(p.mask.data)[mo]);
+              ok = ok && add != neg_inf;
+            }
+          }
+          float y = x * scale;
+          if constexpr (CAP) y = cap * std::tanh(y / cap);
+          x = ok ? y + add : neg_inf;
+        }
+      }
+      // Padded rows (r >= n) keep their scores of the zero query (0): finite, never stored.
+    }
+
+    softmax_tile(w.s, ssp, kt, nqv, mul, w.m, w.l, w.alpha);
+
+    // O = alpha O + P V.
+    if constexpr (DP) {
+      if (full) {
+        pf_k.rest();
+        Ops::pack_p_bf16(w.s, ssp, nqv, kt, w.pp);
+        Ops::pack_v_bf16(static_cast<const std::uint16_t*>(p.v.data) + v_base + t0 * p.v.ss, p.v.ss,
+                         Dv, nvec, kt, w.vp);
+        Ops::pv_bf16(w.pp, sp, w.vp, nvec, (kt + 1) / 2, w.o, Dvp, w.alpha, n);
+        return;
+      }
+    }
+    const float* vt;
+    i64 vs;
+    if (v_inplace) {
+      vt = static_cast<const float*>(p.v.data) + v_base + t0 * p.v.ss;
+      vs = p.v.ss;
+    } else {
+      for (int j = 0; j < kt; ++j) {
+        float* dst = w.vbuf + j * Dvp;
+        to_f32<E>(p.v.data, v_base + (t0 + j) * p.v.ss, dst, Dv);
+        for (i64 x = Dv; x < Dvp; ++x) dst[x] = 0.0f;
+      }
+      vt = w.vbuf;
+      vs = Dvp;
+    }
+    if (full)
+      pv_tile<false>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
+    else
+      pv_tile<true>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
   }
 
   // ---- decode fast path: a few rows, no explicit mask, no softcap -----------------------------
@@ -824,37 +870,51 @@ struct Engine {
   }
 
   // ---- flash: the whole problem --------------------------------------------------------------
-  static std::size_t flash_ws(const Problem& p, int threads) { return ws_bytes(p) * threads; }
+  static std::size_t flash_ws(const Problem& p, int threads) { return 2 * ws_bytes(p) * threads; }
 
   template <Elt E, bool DP, bool MASK, bool CAP>
   static void flash_impl(const Problem& p, char* ws, int threads) {
     const i64 nqb = (p.Sq + BQ - 1) / BQ;
-    const i64 items = nqb * p.B * p.Hq;
+    const i64 npair = (nqb + 1) / 2;
+    const i64 items = npair * p.B * p.Hq;
     const std::size_t wsb = ws_bytes(p);
 #pragma omp parallel num_threads(threads)
     {
-      const Ws w = carve(p, ws + wsb * omp_get_thread_num());
+      char* mine = ws + 2 * wsb * omp_get_thread_num();
+      const Ws wa = carve(p, mine), wb = carve(p, mine + wsb);
 #pragma omp for schedule(dynamic, 1)
       for (i64 it = 0; it < items; ++it) {
-        // Head-major: consecutive items, on every thread, share one head's K and V, which then
-        // stay in L2/L3 instead of cycling through all heads' K/V (Sq = Sk = 4096, D = 128: 61%
-        // -> 71% of the FMA peak). Within a head, last query blocks first: under causal masks
-        // they see the most keys, and the small blocks at the end even out the threads.
-        const i64 qb = nqb - 1 - it % nqb;
-        const i64 bh = it / nqb;
+        // One item: a pair of adjacent query blocks (process_pair). Head-major: consecutive
+        // items, on every thread, share one head's K and V, which then stay in L2/L3 instead
+        // of cycling through all heads' K/V (Sq = Sk = 4096, D = 128: 61% -> 71% of the FMA
+        // peak). Within a head, last query blocks first: under causal masks they see the most
+        // keys, and the small blocks at the end even out the threads.
+        const i64 pq = it % npair, bh = it / npair;
         const i64 b = bh / p.Hq, h = bh % p.Hq;
-        const i64 i0 = qb * BQ;
-        const int n = static_cast<int>(std::min<i64>(BQ, p.Sq - i0));
-        for (int r = 0; r < n; ++r) w.rows[r] = make_row(p, b, h, i0 + r);
-        Block blk;
-        blk.b = b;
-        blk.hk = p.kv_head(h);
-        blk.n = n;
-        block_range(w, n, blk.ka, blk.kb, blk.max_lo, blk.min_hi);
-        process<E, DP, MASK, CAP>(p, blk, w);
-        finish(p, w, n);
+        const i64 qa = nqb - 1 - 2 * pq, qb = qa - 1;
+        const Block ba = make_block(p, b, h, qa, wa);
+        if (qb >= 0) {
+          const Block bb = make_block(p, b, h, qb, wb);
+          process_pair<E, DP, MASK, CAP>(p, ba, wa, bb, wb);
+          finish(p, wb, bb.n);
+        } else {
+          process<E, DP, MASK, CAP>(p, ba, wa);
+        }
+        finish(p, wa, ba.n);
       }
     }
+  }
+
+  // Query block qb of (b, h): its rows into w.rows, its key range.
+  static Block make_block(const Problem& p, i64 b, i64 h, i64 qb, const Ws& w) {
+    const i64 i0 = qb * BQ;
+    Block blk;
+    blk.b = b;
+    blk.hk = p.kv_head(h);
+    blk.n = static_cast<int>(std::min<i64>(BQ, p.Sq - i0));
+    for (int r = 0; r < blk.n; ++r) w.rows[r] = make_row(p, b, h, i0 + r);
+    block_range(w, blk.n, blk.ka, blk.kb, blk.max_lo, blk.min_hi);
+    return blk;
   }
 
   // ---- decode: flash-decoding ------------------------------------------------------------------
