@@ -107,7 +107,7 @@ struct Prefetch {
   Prefetch(const void* data, i64 elem_off, i64 row_stride, int nrows, i64 row_elems, int esize)
       : base(static_cast<const char*>(data) + elem_off * esize), stride(row_stride * esize),
         rows(nrows), lines(static_cast<int>((row_elems * esize + 63) / 64)) {}
-  void step(int n) {
+  [[gnu::always_inline]] void step(int n) {
     const int end = std::min(rows, next + n);
     for (; next < end; ++next)
       for (int x = 0; x < lines; ++x) __builtin_prefetch(base + next * stride + x * 64, 0, 2);
