@@ -79,6 +79,10 @@ Peaks measure_peaks(int threads, double seconds = 0.25, double read_mib = 512);
 /// kind of machine the figure depends strongly on the size (caches, and in virtual machines the
 /// host's memory layout), so decode rows are judged against a buffer of their own K+V size.
 double measure_read_bandwidth(int threads, double bytes, double seconds = 0.25);
+/// The same bytes split over two buffers (K and V) that each thread reads in alternating tiles of
+/// 32 KiB (64 keys of D = 128 in fp32), as decode reads K and V. A reference for decode rows
+/// (JSON kv_read_gbps) next to the one-stream figure that their peak fraction divides by.
+double measure_kv_read_bandwidth(int threads, double bytes, double seconds = 0.25);
 
 // ---- timing ------------------------------------------------------------------------------------
 

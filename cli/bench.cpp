@@ -54,6 +54,7 @@ struct Row {
   std::string peak_name;  // which peak peak_fraction divides by
   double peak_value = 0;  // its value (GFLOP/s or GB/s)
   std::optional<bench::MemoryUse> mem;
+  std::optional<double> kv_read_gbps;  // decode: two-stream (K and V) read bandwidth of this size
 };
 
 // The machine's peaks, measured once per thread count used.
@@ -65,21 +66,28 @@ public:
     if (it == peaks_.end()) it = peaks_.emplace(threads, bench::measure_peaks(threads, seconds_, read_mib_)).first;
     return it->second;
   }
-  // Read bandwidth over a buffer of `bytes` (rounded to MiB), measured once per size.
-  double read_gbps(int threads, double bytes) {
+  // Read bandwidth over a buffer of `bytes` (rounded to MiB), measured once per size; kv: the
+  // same bytes as two buffers read in alternating tiles (bench::measure_kv_read_bandwidth).
+  double read_gbps(int threads, double bytes, bool kv = false) {
+    auto& table = kv ? kv_reads_ : reads_;
     const auto key = std::make_pair(threads, static_cast<std::int64_t>(std::ceil(bytes / 1048576.0)));
-    auto it = reads_.find(key);
-    if (it == reads_.end())
-      it = reads_.emplace(key, bench::measure_read_bandwidth(threads, double(key.second) * 1048576.0, seconds_)).first;
+    auto it = table.find(key);
+    if (it == table.end()) {
+      const double b = double(key.second) * 1048576.0;
+      it = table.emplace(key, kv ? bench::measure_kv_read_bandwidth(threads, b, seconds_)
+                                 : bench::measure_read_bandwidth(threads, b, seconds_)).first;
+    }
     return it->second;
   }
   const std::map<int, bench::Peaks>& all() const { return peaks_; }
   const std::map<std::pair<int, std::int64_t>, double>& reads() const { return reads_; }
+  const std::map<std::pair<int, std::int64_t>, double>& kv_reads() const { return kv_reads_; }
 
 private:
   double seconds_, read_mib_;
   std::map<int, bench::Peaks> peaks_;
   std::map<std::pair<int, std::int64_t>, double> reads_;
+  std::map<std::pair<int, std::int64_t>, double> kv_reads_;
 };
 
 std::string dtype_short(DType d) { return d == DType::f32 ? "f32" : d == DType::bf16 ? "bf16" : "f16"; }
@@ -174,6 +182,7 @@ public:
     if (kind == "decode") {
       r.peak_name = "read_gbps";
       r.peak_value = peaks_.read_gbps(threads, bench::kv_bytes(s, dtype));
+      r.kv_read_gbps = peaks_.read_gbps(threads, bench::kv_bytes(s, dtype), true);
     } else if (dtype == DType::bf16 && pk.bf16_gflops > 0) {
       r.peak_name = "bf16_gflops";
       r.peak_value = pk.bf16_gflops;
@@ -234,6 +243,10 @@ json row_json(const Row& r) {
     j["seconds_1thread"] = *r.seconds_1thread;
     j["speedup_vs_1thread"] = *r.seconds_1thread / r.seconds;
   }
+  if (r.kv_read_gbps) {
+    j["kv_read_gbps"] = *r.kv_read_gbps;
+    j["kv_read_fraction"] = *r.kv_read_gbps > 0 ? r.gbps / *r.kv_read_gbps : 0.0;
+  }
   if (r.mem) {
     j["rss_inputs_mib"] = r.mem->rss_inputs_mib;
     j["peak_rss_mib"] = r.mem->hwm_mib;
@@ -280,6 +293,9 @@ void print_row(const Row& r) {
   if (r.mem)
     std::fprintf(g_out, "%-8s   resident after inputs %.1f MiB, peak %.1f MiB, added by the call %.1f MiB\n", "",
                  r.mem->rss_inputs_mib, r.mem->hwm_mib, r.mem->extra_mib);
+  if (r.kv_read_gbps && *r.kv_read_gbps > 0)
+    std::fprintf(g_out, "%-8s   K and V read as two streams of this size: %.1f GB/s; this row %.1f%% of it\n", "",
+                 *r.kv_read_gbps, 100.0 * r.gbps / *r.kv_read_gbps);
   std::fflush(g_out);
 }
 
@@ -320,6 +336,11 @@ std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Pe
     if (r.mem) {
       std::snprintf(buf, sizeof buf, " (peak RSS %.1f MiB, %.1f MiB above inputs+output)", r.mem->hwm_mib,
                     r.mem->extra_mib);
+      kind += buf;
+    }
+    if (r.kv_read_gbps && *r.kv_read_gbps > 0) {
+      std::snprintf(buf, sizeof buf, " (two-stream K/V read %.1f GB/s: %.0f%%)", *r.kv_read_gbps,
+                    100.0 * r.gbps / *r.kv_read_gbps);
       kind += buf;
     }
     std::snprintf(buf, sizeof buf, "| %s | %s | %s | %s | %s | %d | %.4g | %s | %s | %s | %.1f%% of %.0f |\n",
@@ -464,9 +485,11 @@ void run_bench(BenchOptions o) {
   if (!o.json_path.empty()) {
     json peaks = json::object();
     for (const auto& [t, p] : run.peaks().all()) peaks[std::to_string(t)] = peaks_json(p);
-    json reads = json::array();
+    json reads = json::array(), kv_reads = json::array();
     for (const auto& [key, gbps] : run.peaks().reads())
       reads.push_back({{"threads", key.first}, {"mib", key.second}, {"read_gbps", gbps}});
+    for (const auto& [key, gbps] : run.peaks().kv_reads())
+      kv_reads.push_back({{"threads", key.first}, {"mib", key.second}, {"kv_read_gbps", gbps}});
     json doc = {{"qkv_version", qkv::version()},
                 {"cpu_features", qkv::cpu_features_string()},
                 {"openblas_core", bench::blas_core_name()},
@@ -476,6 +499,7 @@ void run_bench(BenchOptions o) {
                 {"load_average_end", load_average()},
                 {"peaks", peaks},
                 {"read_bandwidth_by_size", reads},
+                {"kv_read_bandwidth_by_size", kv_reads},
                 {"rows", json::array()}};
     for (const Row& r : rows) doc["rows"].push_back(row_json(r));
     const std::string text = doc.dump(2) + "\n";

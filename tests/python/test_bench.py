@@ -38,7 +38,9 @@ def main() -> int:
               "OpenBLAS variables were not removed: " + r.stdout[:400])
         doc = json.load(open(path))
         md = open(path + ".md").read()
-        check(md.count("\n| forward |") == 4 and md.count("\n| decode |") == 4, "markdown rows:\n" + md)
+        check(len(doc.get("kv_read_bandwidth_by_size", [])) >= 1, "no kv_read_bandwidth_by_size")
+        check(md.count("\n| forward |") == 4 and md.count("\n| decode (two-stream K/V read ") == 4,
+              "markdown rows:\n" + md)
         check(doc["openblas_core"] not in ("", "unknown", "Haswell") or "SkylakeX" in doc["openblas_note"],
               f"openblas core {doc['openblas_core']!r}: the environment's Haswell core was kept")
         for t, p in doc["peaks"].items():
@@ -74,6 +76,11 @@ def main() -> int:
                 kv = 2 * s["B"] * s["Hkv"] * s["Sk"] * s["D"] * esize
                 check(abs(row["gbps"] * row["seconds"] * 1e9 - kv) <= 1e-6 * kv, f"byte count {row}")
                 check(row["peak_fraction"] > 0, "peak fraction")
+            if row["kind"] == "decode":
+                # The two-stream (K and V) read reference of the same size, and this row's share of it.
+                check(row.get("kv_read_gbps", 0) > 0, f"decode row without kv_read_gbps {row}")
+                check(abs(row["kv_read_fraction"] * row["kv_read_gbps"] - row["gbps"]) <= 1e-9 * row["gbps"],
+                      f"kv_read_fraction {row}")
             if row["kind"] == "scaling":
                 check(row.get("seconds_1thread", 0) > 0, "scaling row without a 1-thread time")
             if row["kind"] == "memory":
