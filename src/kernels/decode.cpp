@@ -17,7 +17,7 @@
 // Other cases (masks, softcap, many rows, odd D) use the tile engine unchanged.
 //
 // Threading: one work item per (batch, KV head, row block, chunk), dynamic schedule. The chunk
-// size depends only on the problem (at most 64 chunks per KV head, at least 4 key tiles, partials
+// size depends only on the problem (at most 64 chunks per KV head, at least 4096 keys, partials
 // bounded to ~16 MiB), and the merge runs in chunk order, so results are bitwise identical for
 // any number of threads.
 //
