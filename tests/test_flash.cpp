@@ -124,17 +124,18 @@ TEST(Flash, Fp16LongRowUniform) {
     }
 }
 
-// Query blocks are processed in pairs that share each K/V tile (process_pair); a row's result
-// must not depend on whether its block was paired: the first 64 rows of Sq = 128 (paired with
-// rows 64..127) equal, bitwise, the same rows computed with Sq = 64 (a block alone), with
-// top-left causal and window masks, in fp32 and bf16, on every ISA.
-TEST(Flash, PairedBlocksEqualSingleBlocks) {
-  const std::int64_t Sk = 300, D = 64;
+// Query blocks are processed in groups of up to 4 that share each K/V tile (process_group); a
+// row's result must not depend on its group: the first 64 rows of Sq = 128 (block 0 grouped
+// with block 1) and of Sq = 256 (block 0 last in a group of 4) equal, bitwise, the same rows
+// computed with Sq = 64 (a block alone), with top-left causal and window masks, in fp32 and
+// bf16, on every ISA.
+TEST(Flash, GroupedBlocksEqualSingleBlocks) {
+  const std::int64_t Sk = 300, D = 64, S = 256;
   for (DType dt : {DType::f32, DType::bf16})
     for (detail::Isa isa : test_isas(dt))
       for (int opt = 0; opt < 3; ++opt) {
         IsaCap cap(isa);
-        Tensor q(dt, {1, 2, 128, D}), k(dt, {1, 2, Sk, D}), v(dt, {1, 2, Sk, D});
+        Tensor q(dt, {1, 2, S, D}), k(dt, {1, 2, Sk, D}), v(dt, {1, 2, Sk, D});
         std::mt19937 rng(11 + opt);
         std::normal_distribution<float> nd;
         auto fill = [&](Tensor& t) {
@@ -149,14 +150,19 @@ TEST(Flash, PairedBlocksEqualSingleBlocks) {
         p.align = Alignment::top_left;
         p.causal = opt == 1;
         if (opt == 2) { p.window_left = 40; p.window_right = 7; }
-        Tensor out_all(DType::f32, {1, 2, 128, D}), out_64(DType::f32, {1, 2, 64, D});
-        attention(q, k, v, out_all, p);
-        const TensorView q64(q.data(), dt, {1, 2, 64, D}, {2 * 128 * D, 128 * D, D, 1});
-        attention(q64, k, v, out_64, p);
-        for (std::int64_t h = 0; h < 2; ++h)
-          EXPECT_EQ(0, std::memcmp(out_all.data_as<float>() + h * 128 * D, out_64.data_as<float>() + h * 64 * D,
-                                   64 * D * sizeof(float)))
-              << detail::isa_name(isa) << " dtype " << static_cast<int>(dt) << " option " << opt << " head " << h;
+        auto first_rows = [&](std::int64_t sq) {  // rows 0..63 of a call on the first sq queries
+          const TensorView qs(q.data(), dt, {1, 2, sq, D}, {2 * S * D, S * D, D, 1});
+          Tensor out(DType::f32, {1, 2, sq, D});
+          attention(qs, k, v, out, p);
+          std::vector<float> rows(2 * 64 * D);
+          for (std::int64_t h = 0; h < 2; ++h)
+            std::memcpy(rows.data() + h * 64 * D, out.data_as<float>() + h * sq * D, 64 * D * sizeof(float));
+          return rows;
+        };
+        const std::vector<float> alone = first_rows(64);
+        for (std::int64_t sq : {128, 256})
+          EXPECT_EQ(0, std::memcmp(first_rows(sq).data(), alone.data(), alone.size() * sizeof(float)))
+              << detail::isa_name(isa) << " dtype " << static_cast<int>(dt) << " option " << opt << " Sq " << sq;
       }
 }
 

@@ -11,9 +11,9 @@
 // Haziza, Massa, Sizov 2023), partial results merged by their log-sum-exp.
 //
 // Tiling. A block of up to Ops::kBq query rows is processed against the admissible keys in
-// tiles of Ops::kBk keys; flash takes two adjacent blocks at a time through the same tiles in
-// lockstep (process_pair), so each K/V tile is fetched from L3/DRAM once per pair. Per block, in
-// the thread's workspace:
+// tiles of Ops::kBk keys; flash takes up to 4 adjacent blocks at a time through the same tiles
+// in lockstep (process_group), so each K/V tile is fetched from L3/DRAM once per group. Per
+// block, in the thread's workspace:
 //   qt  [D][SP]      the block's queries transposed (SP = rows rounded up to the vector width);
 //                    bf16 dot path: qp [ceil(D/2)][SP] bf16 pairs
 //   s   [kBk][SP]    scores of one tile, transposed (key-major): the vectors run over queries,
@@ -44,7 +44,7 @@
 // uses vdpbf16ps with V repacked as (key, key+1) pairs. Partially masked tiles use the fp32 PV
 // with V converted, for the zero-weight skip.
 //
-// Threads (OpenMP): flash: one work item per (batch, head, query block), dynamically scheduled,
+// Threads (OpenMP): flash: one work item per (batch, head, group of query blocks), dynamically scheduled,
 // head-major (the threads share one head's K/V in cache), within a head largest causal blocks
 // first; decode: one item per (batch, KV head, row block, key chunk), where
 // the rows are all query heads of one KV head times Sq (K and V read once per KV head) and the
@@ -124,6 +124,8 @@ struct Engine {
   static constexpr int NQV_MAX = BQ / W;
   // Blocks of at most this many rows use the dot-product form of QK^T (vector ISAs only).
   static constexpr int kFewRows = W >= 8 ? 4 : 0;
+  // Query blocks per flash work item (process_group).
+  static constexpr int kGroup = 4;
   static_assert(BQ % W == 0 && BK % 2 == 0);
 
   // ---- workspace ---------------------------------------------------------------------------
@@ -392,25 +394,26 @@ struct Engine {
     for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) step<E, DP, MASK, CAP>(p, blk, w, t0, true);
   }
 
-  // Two query blocks of one (batch, head), tile by tile in lockstep: the second block reads each
-  // K/V tile from L1/L2 just after the first, so K and V stream from L3 or DRAM once per pair of
-  // blocks instead of once per block (long rows: Sq = Sk = 16384, D = 128). Each block sees its
-  // own tiles in its own order, exactly as process() would: pairing changes no result.
+  // Up to kGroup query blocks of one (batch, head), tile by tile in lockstep: the later blocks
+  // read each K/V tile from L1/L2 just after the first, so K and V stream from L3 or DRAM once per
+  // group instead of once per block (long rows: Sq = Sk = 16384, D = 128). Each block sees its
+  // own tiles in its own order, exactly as process() would: grouping changes no result.
   template <Elt E, bool DP, bool MASK, bool CAP>
-  static void process_pair(const Problem& p, const Block& a, const Ws& wa, const Block& b, const Ws& wb) {
-    begin<E, DP>(p, a, wa);
-    begin<E, DP>(p, b, wb);
-    i64 ta = a.ka, tb = b.ka;
-    while (ta < a.kb || tb < b.kb) {
-      bool prefetch = true;
-      if (ta < a.kb) {
-        step<E, DP, MASK, CAP>(p, a, wa, ta, true);
-        ta += BK;
+  static void process_group(const Problem& p, const Block* blk, const Ws* w, int g) {
+    i64 t[kGroup];
+    for (int x = 0; x < g; ++x) {
+      begin<E, DP>(p, blk[x], w[x]);
+      t[x] = blk[x].ka;
+    }
+    for (bool more = g > 0; more;) {
+      more = false;
+      bool prefetch = true;  // the first block with a tile left requests the next rows
+      for (int x = 0; x < g; ++x) {
+        if (t[x] >= blk[x].kb) continue;
+        step<E, DP, MASK, CAP>(p, blk[x], w[x], t[x], prefetch);
         prefetch = false;
-      }
-      if (tb < b.kb) {
-        step<E, DP, MASK, CAP>(p, b, wb, tb, prefetch);
-        tb += BK;
+        t[x] += BK;
+        more = more || t[x] < blk[x].kb;
       }
     }
   }
@@ -870,37 +873,33 @@ struct Engine {
   }
 
   // ---- flash: the whole problem --------------------------------------------------------------
-  static std::size_t flash_ws(const Problem& p, int threads) { return 2 * ws_bytes(p) * threads; }
+  static std::size_t flash_ws(const Problem& p, int threads) { return kGroup * ws_bytes(p) * threads; }
 
   template <Elt E, bool DP, bool MASK, bool CAP>
   static void flash_impl(const Problem& p, char* ws, int threads) {
     const i64 nqb = (p.Sq + BQ - 1) / BQ;
-    const i64 npair = (nqb + 1) / 2;
-    const i64 items = npair * p.B * p.Hq;
+    const i64 ngroup = (nqb + kGroup - 1) / kGroup;
+    const i64 items = ngroup * p.B * p.Hq;
     const std::size_t wsb = ws_bytes(p);
 #pragma omp parallel num_threads(threads)
     {
-      char* mine = ws + 2 * wsb * omp_get_thread_num();
-      const Ws wa = carve(p, mine), wb = carve(p, mine + wsb);
+      char* mine = ws + kGroup * wsb * omp_get_thread_num();
+      Ws w[kGroup];
+      for (int x = 0; x < kGroup; ++x) w[x] = carve(p, mine + x * wsb);
 #pragma omp for schedule(dynamic, 1)
       for (i64 it = 0; it < items; ++it) {
-        // One item: a pair of adjacent query blocks (process_pair). Head-major: consecutive
+        // One item: a group of adjacent query blocks (process_group). Head-major: consecutive
         // items, on every thread, share one head's K and V, which then stay in L2/L3 instead
         // of cycling through all heads' K/V (Sq = Sk = 4096, D = 128: 61% -> 71% of the FMA
         // peak). Within a head, last query blocks first: under causal masks they see the most
         // keys, and the small blocks at the end even out the threads.
-        const i64 pq = it % npair, bh = it / npair;
+        const i64 gq = it % ngroup, bh = it / ngroup;
         const i64 b = bh / p.Hq, h = bh % p.Hq;
-        const i64 qa = nqb - 1 - 2 * pq, qb = qa - 1;
-        const Block ba = make_block(p, b, h, qa, wa);
-        if (qb >= 0) {
-          const Block bb = make_block(p, b, h, qb, wb);
-          process_pair<E, DP, MASK, CAP>(p, ba, wa, bb, wb);
-          finish(p, wb, bb.n);
-        } else {
-          process<E, DP, MASK, CAP>(p, ba, wa);
-        }
-        finish(p, wa, ba.n);
+        Block blk[kGroup];
+        int g = 0;
+        for (i64 qb = nqb - 1 - kGroup * gq; g < kGroup && qb >= 0; --qb, ++g) blk[g] = make_block(p, b, h, qb, w[g]);
+        process_group<E, DP, MASK, CAP>(p, blk, w, g);
+        for (int x = 0; x < g; ++x) finish(p, w[x], blk[x].n);
       }
     }
   }

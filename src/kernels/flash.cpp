@@ -7,10 +7,11 @@
 // materialised beyond one kBq x kBk tile per thread.
 //
 // Tiling and threading: see src/kernels/attention_engine.hpp (per-ISA traits in
-// src/kernels/simd/<isa>/): OpenMP over (batch, head, pair of query blocks), dynamic schedule,
-// head-major, the query blocks with the most admissible keys first (causal balance); the two
-// blocks of a pair go through the same K/V tiles in lockstep (one fetch from L3/DRAM per pair).
-// Workspace: two tile sets per thread, O(threads x (kBq + kBk) x (D + Dv)), allocated once per
+// src/kernels/simd/<isa>/): OpenMP over (batch, head, group of up to 4 query blocks), dynamic
+// schedule, head-major, the query blocks with the most admissible keys first (causal balance);
+// the blocks of a group go through the same K/V tiles in lockstep (one fetch from L3/DRAM per
+// group).
+// Workspace: four tile sets per thread, O(threads x (kBq + kBk) x (D + Dv)), allocated once per
 // call.
 //
 // Precision: fp32 inputs, or fp16/bf16 storage converted to fp32 (bf16 with AVX512_BF16: bf16
