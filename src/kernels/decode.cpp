@@ -25,19 +25,11 @@
 // chunk partials in float64 (libm exp), rounded once to the output.
 // Accuracy contract (tests/test_decode.cpp): same tolerances as flash against the float64
 // reference; NaN at excluded keys never leaks; bitwise identical across thread counts.
-#include <memory>
-#include <new>
-
 #include "kernels/isa_kernels.hpp"
 #include "kernels/kernels.hpp"
+#include "kernels/workspace.hpp"
 
 namespace qkv::detail {
-
-namespace {
-struct AlignedFree {
-  void operator()(char* p) const noexcept { ::operator delete[](p, std::align_val_t(64)); }
-};
-}  // namespace
 
 std::string decode_refuse(const Problem& p) {
   if (p.Sq > kDecodeMaxSq)
@@ -50,9 +42,7 @@ void decode_kernel(const Problem& p) {
   bool dot = false;
   const IsaKernels& k = active_isa_kernels(dot);
   const int threads = call_threads(p);
-  const std::size_t bytes = k.decode_workspace(p, threads, dot);
-  std::unique_ptr<char[], AlignedFree> ws(new (std::align_val_t(64)) char[bytes]);
-  k.decode_forward(p, ws.get(), threads, dot);
+  k.decode_forward(p, thread_workspace(k.decode_workspace(p, threads, dot)), threads, dot);
 }
 
 std::string decode_describe() {

@@ -11,8 +11,8 @@
 // schedule, head-major, the query blocks with the most admissible keys first (causal balance);
 // the blocks of a group go through the same K/V tiles in lockstep (one fetch from L3/DRAM per
 // group).
-// Workspace: four tile sets per thread, O(threads x (kBq + kBk) x (D + Dv)), allocated once per
-// call.
+// Workspace: four tile sets per thread, O(threads x (kBq + kBk) x (D + Dv)), in the calling
+// thread's reusable buffer (kernels/workspace.hpp).
 //
 // Precision: fp32 inputs, or fp16/bf16 storage converted to fp32 (bf16 with AVX512_BF16: bf16
 // products, exact, accumulated in fp32; P rounded to bf16 for PV); all sums, the running max and
@@ -23,19 +23,11 @@
 // max |error| <= 2 x (error of a naive fp32 attention) + 1e-6 for fp32; bf16/fp16 within their
 // floors; NaN/inf at excluded keys never reach a row; bitwise identical results for any thread
 // count and across runs, on each ISA.
-#include <memory>
-#include <new>
-
 #include "kernels/isa_kernels.hpp"
 #include "kernels/kernels.hpp"
+#include "kernels/workspace.hpp"
 
 namespace qkv::detail {
-
-namespace {
-struct AlignedFree {
-  void operator()(char* p) const noexcept { ::operator delete[](p, std::align_val_t(64)); }
-};
-}  // namespace
 
 std::string flash_refuse(const Problem& p) {
   if (p.q.dtype == DType::f64) return "float64 inputs: flash computes in fp32 (the reference computes in float64)";
@@ -46,9 +38,7 @@ void flash_kernel(const Problem& p) {
   bool dot = false;
   const IsaKernels& k = active_isa_kernels(dot);
   const int threads = call_threads(p);
-  const std::size_t bytes = k.flash_workspace(p, threads, dot);
-  std::unique_ptr<char[], AlignedFree> ws(new (std::align_val_t(64)) char[bytes]);
-  k.flash_forward(p, ws.get(), threads, dot);
+  k.flash_forward(p, thread_workspace(k.flash_workspace(p, threads, dot)), threads, dot);
 }
 
 std::string flash_describe() {
