@@ -52,12 +52,7 @@ void run_attend(const AttendOptions& o) {
   const NpyArray qa = read_input("--q", o.q), ka = read_input("--k", o.k), va = read_input("--v", o.v);
   const TensorView q = to_bhsd(qa.view()), k = to_bhsd(ka.view()), v = to_bhsd(va.view());
 
-  AttentionParams p;
-  p.scale = o.scale;
-  p.softcap = o.softcap;
-  p.causal = o.causal;
-  p.align = o.align == "top-left" ? Alignment::top_left : Alignment::bottom_right;
-  if (!o.window.empty()) std::tie(p.window_left, p.window_right) = parse_window(o.window);
+  AttentionParams p = attention_params(o);
   p.kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
   p.num_threads = o.threads;
 

@@ -194,18 +194,7 @@ void run_model(const ExplainOptions& o) {
   if (!o.layer) throw Error("--layer: required with --model/--prompt (which layer's attention to explain)");
 
   const std::string model_path = o.model.empty() ? default_model_path().string() : o.model;
-  Llama2cModel weights;
-  Tokenizer tok;
-  try {
-    weights = read_llama2c(model_path);
-  } catch (const Error& e) {
-    throw Error(std::string("--model: ") + e.what());
-  }
-  try {
-    tok = read_tokenizer(o.tokenizer, weights.config.vocab_size);
-  } catch (const Error& e) {
-    throw Error(std::string("--tokenizer: ") + e.what());
-  }
+  auto [weights, tok] = load_model(model_path, o.tokenizer);
   const Llama2cConfig& c = weights.config;
   if (*o.layer < 0 || *o.layer >= c.n_layers)
     throw Error("--layer: expected an index in [0, n_layers) = [0, " + std::to_string(c.n_layers) +
@@ -335,12 +324,7 @@ void run_explain(const ExplainOptions& o) {
     v = proj.v.view();
   }
 
-  AttentionParams p;
-  p.scale = o.scale;
-  p.softcap = o.softcap;
-  p.causal = o.causal;
-  p.align = o.align == "top-left" ? Alignment::top_left : Alignment::bottom_right;
-  if (!o.window.empty()) std::tie(p.window_left, p.window_right) = parse_window(o.window);
+  AttentionParams p = attention_params(o);
   NpyArray mask, lens;
   if (!o.mask.empty()) {
     mask = read("--mask", o.mask);

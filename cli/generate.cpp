@@ -37,18 +37,7 @@ void run_generate(const GenerateOptions& o) {
   if (!(o.top_p > 0 && o.top_p <= 1))
     throw Error("--top-p: expected a number in (0, 1], got " + std::to_string(o.top_p));
   if (o.steps < 1) throw Error("--steps: expected a count >= 1, got " + std::to_string(o.steps));
-  Llama2cModel weights;
-  Tokenizer tok;
-  try {
-    weights = read_llama2c(o.model);
-  } catch (const Error& e) {
-    throw Error(std::string("--model: ") + e.what());
-  }
-  try {
-    tok = read_tokenizer(o.tokenizer, weights.config.vocab_size);
-  } catch (const Error& e) {
-    throw Error(std::string("--tokenizer: ") + e.what());
-  }
+  auto [weights, tok] = load_model(o.model, o.tokenizer);
   const int max_seq = weights.config.max_seq_len;
   if (o.steps > max_seq)
     throw Error("--steps: expected at most the model's max_seq_len (" + std::to_string(max_seq) + "), got " +

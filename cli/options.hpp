@@ -3,8 +3,10 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
+#include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv::cli {
@@ -23,6 +25,19 @@ inline std::pair<std::int64_t, std::int64_t> parse_window(const std::string& s) 
   } catch (const std::logic_error&) {
     throw bad();
   }
+}
+
+/// The attention options that `attend` and `explain` share (--scale, --softcap, --causal,
+/// --align top-left|bottom-right, --window LEFT,RIGHT) as AttentionParams; the rest at defaults.
+template <class Options>
+AttentionParams attention_params(const Options& o) {
+  AttentionParams p;
+  p.scale = o.scale;
+  p.softcap = o.softcap;
+  p.causal = o.causal;
+  p.align = o.align == "top-left" ? Alignment::top_left : Alignment::bottom_right;
+  if (!o.window.empty()) std::tie(p.window_left, p.window_right) = parse_window(o.window);
+  return p;
 }
 
 }  // namespace qkv::cli

@@ -3,14 +3,8 @@
 // never an out-of-bounds read or a huge allocation.
 #include "qkv/safetensors.hpp"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <bit>
-#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -18,6 +12,7 @@
 #include <set>
 
 #include "io/atomic_file.hpp"
+#include "io/mapped_file.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
 #include "tensor/convert.hpp"
@@ -212,21 +207,11 @@ SafetensorsFile SafetensorsFile::from_bytes(std::shared_ptr<const void> owner, c
 
 SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   const std::string name = path.string();
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(name + ": cannot open: " + std::strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
-  struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) throw Error(name + ": not a regular file");
-  const auto size = static_cast<std::uint64_t>(st.st_size);
-  if (size < 8)
-    fail(name, "the file is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
-  void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  if (m == MAP_FAILED) throw Error(name + ": cannot map the file: " + std::strerror(errno));
-  std::shared_ptr<const void> owner(m, [size](const void* p) { ::munmap(const_cast<void*>(p), size); });
-  return from_bytes(std::move(owner), static_cast<const std::byte*>(m), size, name);
+  auto file = std::make_shared<const detail::MappedFile>(path);
+  const std::span<const std::byte> bytes = file->bytes();
+  if (bytes.size() < 8)
+    fail(name, "the file is " + std::to_string(bytes.size()) + " bytes, shorter than the 8-byte header length");
+  return from_bytes(std::shared_ptr<const void>(file, bytes.data()), bytes.data(), bytes.size(), name);
 }
 
 SafetensorsFile SafetensorsFile::parse(std::span<const std::byte> bytes, const std::string& name) {

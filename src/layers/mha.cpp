@@ -91,6 +91,16 @@ void check_act(const TensorView& t, const char* name, const char* axes, std::int
   if (!t.data() && t.numel() > 0) throw Error(std::string("mha: ") + name + ": data pointer is null");
 }
 
+// Self-attention input x and output y: both [B,S,d_model] float32, the same B and S.
+void check_self_io(const TensorView& x, const TensorView& y, std::int64_t d_model) {
+  check_act(x, "x", "[B,S,d_model]", d_model);
+  check_act(y, "y", "[B,S,d_model]", d_model);
+  const std::int64_t B = x.size(0), S = x.size(1);
+  if (y.size(0) != B || y.size(1) != S)
+    throw Error("mha: y: expected shape [B,S,d_model] = " + shape_str({B, S, d_model}) + ", got " +
+                shape_str(y.shape()));
+}
+
 std::vector<std::int64_t> iota_positions(std::int64_t S) {
   std::vector<std::int64_t> p(static_cast<std::size_t>(S));
   std::iota(p.begin(), p.end(), std::int64_t{0});
@@ -229,12 +239,8 @@ TensorView MultiHeadAttention::b_o() const { return cfg_.out_bias ? b_o_.view() 
 
 void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const MhaOptions& options) const {
   if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
-  check_act(x, "x", "[B,S,d_model]", cfg_.d_model);
-  check_act(y, "y", "[B,S,d_model]", cfg_.d_model);
+  check_self_io(x, y, cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
-  if (y.size(0) != B || y.size(1) != S)
-    throw Error("mha: y: expected shape [B,S,d_model] = " + shape_str({B, S, cfg_.d_model}) + ", got " +
-                shape_str(y.shape()));
   const std::int64_t Hq = cfg_.num_heads, Dv = cfg_.head_dim_v;
   const PackedQkv packed = project_packed(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
   const TensorView &q = packed.q, &k = packed.k, &v = packed.v;
@@ -299,12 +305,8 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
 void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const TensorView& y,
                                  const MhaOptions& options) const {
   if (cfg_.d_model < 1) throw Error("mha: the layer is default-constructed (no config, no weights)");
-  check_act(x, "x", "[B,S,d_model]", cfg_.d_model);
-  check_act(y, "y", "[B,S,d_model]", cfg_.d_model);
+  check_self_io(x, y, cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
-  if (y.size(0) != B || y.size(1) != S)
-    throw Error("mha: y: expected shape [B,S,d_model] = " + shape_str({B, S, cfg_.d_model}) + ", got " +
-                shape_str(y.shape()));
   const std::int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, Dv = cfg_.head_dim_v;
   if (cache.batch() != B || cache.num_kv_heads() != Hkv || cache.head_dim() != D || cache.head_dim_v() != Dv)
     throw Error("mha: cache: expected B = " + s(B) + ", Hkv = " + s(Hkv) + ", D = " + s(D) +
