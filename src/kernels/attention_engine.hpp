@@ -93,9 +93,9 @@ inline float bf16_bits_to_float(std::uint16_t b) {
 /// Software prefetch of a tile of K or V rows, a few rows per call of step(), so that the
 /// prefetches spread between the microkernel calls of one phase and the rows are in cache when
 /// the next phase reads them. On rows longer than L2 holds (Sk in the thousands, D = 128) the
-/// hardware prefetchers alone leave the microkernels waiting on L3 or DRAM: measured on the
-/// benchmark machine, fp32 flash at Sq = Sk = 16384 gains 6-10% and decode at Sk = 32768 5-10%.
-/// A prefetch never faults, and rows past the tile are never requested.
+/// hardware prefetchers alone leave the microkernels waiting on L3 or DRAM (docs/performance.md,
+/// "What the kernels do for memory"). A prefetch never faults, and rows past the tile are never
+/// requested.
 struct Prefetch {
   const char* base = nullptr;  // first row
   i64 stride = 0;              // bytes between rows
@@ -890,9 +890,8 @@ struct Engine {
       for (i64 it = 0; it < items; ++it) {
         // One item: a group of adjacent query blocks (process_group). Head-major: consecutive
         // items, on every thread, share one head's K and V, which then stay in L2/L3 instead
-        // of cycling through all heads' K/V (Sq = Sk = 4096, D = 128: 61% -> 71% of the FMA
-        // peak). Within a head, last query blocks first: under causal masks they see the most
-        // keys, and the small blocks at the end even out the threads.
+        // of cycling through all heads' K/V. Within a head, last query blocks first: under causal
+        // masks they see the most keys, and the small blocks at the end even out the threads.
         const i64 gq = it % ngroup, bh = it / ngroup;
         const i64 b = bh / p.Hq, h = bh % p.Hq;
         Block blk[kGroup];
@@ -921,10 +920,9 @@ struct Engine {
   static i64 decode_rows(const Problem& p) { return p.group() * p.Sq; }
   // Keys per chunk, fixed by the problem alone (never by the thread count): at most 64 chunks per
   // (b, KV head), at least kDecodeMinChunk keys each, partials bounded to about 16 MiB. Long
-  // chunks stream K and V in long contiguous runs per thread: measured with 2 threads at D = 128,
-  // fp32, minimum 4096 keys instead of 256 read K and V at 38 instead of 33 GB/s (Hq = Hkv = 8,
-  // Sk = 32768), 41 instead of 28 GB/s (Hkv = 2) and 50-60 instead of 35 GB/s (Sk = 4096). The
-  // price: fewer items to share out, B x Hkv x ceil(Sk / 4096) of them.
+  // chunks let each thread read K and V in long contiguous runs, which streams faster than
+  // 256-key chunks did (docs/performance.md). The price: fewer items to share out,
+  // B x Hkv x ceil(Sk / 4096) of them.
   static constexpr i64 kDecodeMinChunk = 4096;
   static i64 decode_chunk(const Problem& p) {
     const i64 per_chunk_bytes = p.B * p.Hq * p.Sq * (dvp(p) + 2) * 4;

@@ -7,11 +7,11 @@ namespace qkv::detail {
 /// A 64-byte aligned buffer of at least `bytes` bytes for the calling thread's current call.
 /// It is the thread's own buffer, grown when a call needs more and otherwise reused, so a
 /// stream of calls (decode steps, a layer's heads) does not allocate, fault in and free fresh
-/// pages every time: those first touches cost more than small calls themselves (Sq = Sk = 256,
-/// D = 64: 1.5 ms per call with fresh memory, 0.56 ms reused). The buffer lives until the thread
-/// exits; it holds the largest workspace the thread has needed (O(threads x tile), about 1-2 MiB
-/// at D = 128 with 2 threads). Valid until the next call from the same thread; never shared
-/// between threads, so concurrent calls from different threads do not interfere.
+/// pages every time: those first touches cost more than small calls themselves. The buffer lives
+/// until the thread exits and holds the largest workspace the thread has needed (O(threads x
+/// tile), about 1-2 MiB at D = 128 with 2 threads). Valid until the next call from the same
+/// thread; never shared between threads, so concurrent calls from different threads do not
+/// interfere. @throws std::bad_alloc when the memory cannot be had.
 char* thread_workspace(std::size_t bytes);
 
 }  // namespace qkv::detail
