@@ -592,15 +592,20 @@ struct Engine {
   // ---- decode fast path: a few rows, no explicit mask, no softcap -----------------------------
   // Rows of one (b, KV head) group (G query heads x Sq, at most kFastRows) against a chunk of
   // keys, with the rows as plain arrays instead of the padded kBq-row block of process():
-  //   scores: for 4 keys at a time and up to kQkRows rows, D-vectorised FMAs into 4 x rows
-  //           accumulators, then one horizontal reduction per score (Ops::hsum4);
+  //   scores: one key at a time for up to kQkRows rows, D-vectorised FMAs into one accumulator
+  //           per row, then one horizontal reduction per score (Ops::hsum). Key by key, each K
+  //           row is read start to end before the next, so K streams from memory in address
+  //           order; reading 4 rows side by side (4 scores per reduction) streamed measurably
+  //           slower from DRAM (docs/performance.md);
   //   softmax: per row, over the tile's scores as vectors (vector exp);
   //   PV: output rows in registers, broadcast(p_j) * v_j FMAs.
   // bf16/fp16 K and V are converted in registers (Ops::load_bf16 / f16), never through a buffer.
   // Keys admitted by only some rows of the group get -inf scores by select (NaN from an
   // excluded K row is discarded) and weight-0 FMAs are skipped (masked) in PV.
   static constexpr int kFastRows = BQ < 16 ? BQ : 16;
-  static constexpr int kQkRows = Ops::kAccRegs / 4 >= 4 ? 4 : (Ops::kAccRegs / 4 < 1 ? 1 : Ops::kAccRegs / 4);
+  // Keys per step of the single-row pipelined pass (process_fast_stream).
+  static constexpr int kFastStep = BK < 32 ? BK : 32;
+  static constexpr int kQkRows = 4;
 
   static bool decode_fast_ok(const Problem& p) {
     return p.mask.data == nullptr && p.softcap <= 0.0 && p.group() * p.Sq <= kFastRows &&
@@ -614,42 +619,29 @@ struct Engine {
     else return Ops::load_f16(static_cast<const std::uint16_t*>(base) + off);
   }
 
-  // s[r * BK + j + t] = q_r . k_{j+t} for t < NK, rows r < MR.
-  template <Elt E, int MR, int NK>
-  static void fast_qk_mk(const float* qr, i64 D, const void* k, i64 koff, i64 ks, float* s) {
-    V acc[MR][NK];
+  // s[r * BK] = q_r . k for the key row at koff, rows r < MR.
+  template <Elt E, int MR>
+  static void fast_qk_mk(const float* qr, i64 D, const void* k, i64 koff, float* s) {
+    V acc[MR];
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 4
-      for (int t = 0; t < NK; ++t) acc[r][t] = Ops::zero();
+    for (int r = 0; r < MR; ++r) acc[r] = Ops::zero();
     for (i64 d = 0; d < D; d += W) {
-      V kv[NK];
+      const V kv = load_elt<E>(k, koff + d);
 #pragma GCC unroll 4
-      for (int t = 0; t < NK; ++t) kv[t] = load_elt<E>(k, koff + t * ks + d);
-#pragma GCC unroll 4
-      for (int r = 0; r < MR; ++r) {
-        const V q = Ops::load(qr + r * D + d);
-#pragma GCC unroll 4
-        for (int t = 0; t < NK; ++t) acc[r][t] = Ops::fma(q, kv[t], acc[r][t]);
-      }
+      for (int r = 0; r < MR; ++r) acc[r] = Ops::fma(Ops::load(qr + r * D + d), kv, acc[r]);
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) {
-      if constexpr (NK == 4) Ops::hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], s + r * BK);
-      else s[r * BK] = Ops::hsum(acc[r][0]);
-    }
+    for (int r = 0; r < MR; ++r) s[r * BK] = Ops::hsum(acc[r]);
   }
 
-  // `pf` (the tile's V rows) advances by the 4 keys of each microkernel call.
+  // `pf` (the tile's V rows) advances by one row per key.
   template <Elt E, int MR>
   static void fast_qk_rows(const float* qr, i64 D, const void* k, i64 koff, i64 ks, int kt, float* s,
                            Prefetch& pf) {
-    int j = 0;
-    for (; j + 4 <= kt; j += 4) {
-      fast_qk_mk<E, MR, 4>(qr, D, k, koff + j * ks, ks, s + j);
-      pf.step(4);
+    for (int j = 0; j < kt; ++j) {
+      fast_qk_mk<E, MR>(qr, D, k, koff + j * ks, s + j);
+      pf.step(1);
     }
-    for (; j < kt; ++j) fast_qk_mk<E, MR, 1>(qr, D, k, koff + j * ks, ks, s + j);
   }
 
   template <Elt E>
@@ -659,8 +651,8 @@ struct Engine {
     for (; r + kQkRows <= n; r += kQkRows) fast_qk_rows<E, kQkRows>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
     switch (n - r) {
       case 1: fast_qk_rows<E, 1>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
-      case 2: if constexpr (kQkRows > 2) fast_qk_rows<E, 2>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
-      case 3: if constexpr (kQkRows > 3) fast_qk_rows<E, 3>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
+      case 2: fast_qk_rows<E, 2>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
+      case 3: fast_qk_rows<E, 3>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
       default: break;
     }
     pf.rest();
@@ -739,10 +731,54 @@ struct Engine {
     pf.rest();
   }
 
-  // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb): leaves the
-  // unnormalised O, m and l in `w`, as process() does.
+  // Online softmax of one tile's scores s[r * BK + j] (keys t0 + j, j < kt) for n rows: scales,
+  // excludes keys outside each row's [lo, hi), and leaves the weights in s and the accumulator
+  // rescale factor in w.alpha. Returns whether any key of the tile was excluded for some row.
+  static bool fast_softmax(const Ws& w, int n, float* s, i64 t0, int kt, float scale) {
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const i64 t1 = t0 + kt;
+    const int ktp = static_cast<int>(round_up(kt, W));
+    const V vscale = Ops::set1(scale);
+    bool partial = false;
+    for (int r = 0; r < n; ++r) {
+      float* sr = s + r * BK;
+      const Row& row = w.rows[r];
+      for (int j = 0; j < ktp; j += W) Ops::store(sr + j, Ops::mul(Ops::load(sr + j), vscale));
+      if (t0 < row.lo || t1 > row.hi) {
+        partial = true;
+        for (int j = 0; j < kt; ++j)
+          if (t0 + j < row.lo || t0 + j >= row.hi) sr[j] = neg_inf;
+      }
+      for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
+      V mx = Ops::set1(neg_inf);
+      for (int j = 0; j < ktp; j += W) mx = Ops::max(mx, Ops::load(sr + j));
+      float lanes[W];
+      Ops::store(lanes, mx);
+      float m_tile = neg_inf;
+      for (int x = 0; x < W; ++x) m_tile = lanes[x] > m_tile ? lanes[x] : m_tile;
+      const float mo = w.m[r];
+      const float mn = mo > m_tile ? mo : m_tile;
+      const float ms = mn == neg_inf ? 0.0f : mn;  // nothing admitted yet: exp(-inf - 0) = 0
+      const V vms = Ops::set1(ms);
+      Ops::store(lanes, Ops::exp(Ops::set1(mo - ms)));
+      const float a = lanes[0];
+      V sum = Ops::zero();
+      for (int j = 0; j < ktp; j += W) {
+        const V pj = Ops::exp(Ops::sub(Ops::load(sr + j), vms));
+        Ops::store(sr + j, pj);
+        sum = Ops::add(sum, pj);
+      }
+      w.l[r] = w.l[r] * a + Ops::hsum(sum);
+      w.m[r] = mn;
+      w.alpha[r] = a;
+    }
+    return partial;
+  }
+
+  // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb), tile by tile: QK^T of
+  // a tile, its softmax, then its PV product.
   template <Elt E>
-  static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
+  static void process_fast_tiles(const Problem& p, const Block& blk, const Ws& w) {
     const int n = blk.n;
     const i64 D = p.D, Dvp = dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
@@ -755,54 +791,81 @@ struct Engine {
     const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
     float* s = w.s;  // [n][BK] scores, then weights
-    const V vscale = Ops::set1(scale);
     constexpr int esize = E == Elt::f32 ? 4 : 2;
     for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) {
       const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
       const int kt = static_cast<int>(t1 - t0);
-      const int ktp = static_cast<int>(round_up(kt, W));
       // As in process(): this tile's V rows during QK^T, the next tile's K rows during PV.
       Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, p.Dv, esize);
       Prefetch pf_k(p.k.data, k_base + t1 * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - t1)), D, esize);
       fast_qk<E>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s, pf_v);
-      bool partial = false;
-      for (int r = 0; r < n; ++r) {
-        float* sr = s + r * BK;
-        const Row& row = w.rows[r];
-        for (int j = 0; j < ktp; j += W) Ops::store(sr + j, Ops::mul(Ops::load(sr + j), vscale));
-        if (t0 < row.lo || t1 > row.hi) {
-          partial = true;
-          for (int j = 0; j < kt; ++j)
-            if (t0 + j < row.lo || t0 + j >= row.hi) sr[j] = neg_inf;
-        }
-        for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
-        V mx = Ops::set1(neg_inf);
-        for (int j = 0; j < ktp; j += W) mx = Ops::max(mx, Ops::load(sr + j));
-        float lanes[W];
-        Ops::store(lanes, mx);
-        float m_tile = neg_inf;
-        for (int x = 0; x < W; ++x) m_tile = lanes[x] > m_tile ? lanes[x] : m_tile;
-        const float mo = w.m[r];
-        const float mn = mo > m_tile ? mo : m_tile;
-        const float ms = mn == neg_inf ? 0.0f : mn;  // nothing admitted yet: exp(-inf - 0) = 0
-        const V vms = Ops::set1(ms);
-        Ops::store(lanes, Ops::exp(Ops::set1(mo - ms)));
-        const float a = lanes[0];
-        V sum = Ops::zero();
-        for (int j = 0; j < ktp; j += W) {
-          const V pj = Ops::exp(Ops::sub(Ops::load(sr + j), vms));
-          Ops::store(sr + j, pj);
-          sum = Ops::add(sum, pj);
-        }
-        w.l[r] = w.l[r] * a + Ops::hsum(sum);
-        w.m[r] = mn;
-        w.alpha[r] = a;
-      }
+      const bool partial = fast_softmax(w, n, s, t0, kt, scale);
       if (partial)
         fast_pv<E, true>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
       else
         fast_pv<E, false>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
     }
+  }
+
+  // One row (n = 1: MHA decode, one query per KV head) against keys [blk.ka, blk.kb), software-
+  // pipelined over tiles: the scores of tile t + 1 are computed in the same pass as the PV product
+  // of tile t, kFastStep keys at a time, so the K and V streams are read side by side and the
+  // reads of both stay in flight together; with one row there is too little arithmetic per byte
+  // to hide the switch between whole K and V tiles. With 2 or 4 rows (GQA) a pipelined pass
+  // measured slower than tile by tile (process_fast_tiles), so it serves one row only
+  // (docs/performance.md). Same arithmetic in the same order as process_fast_tiles, so the same
+  // result bit for bit: each score is formed alone
+  // and each FMA chain runs in key order (the accumulator is rescaled once per tile, then
+  // multiplied by 1 between steps).
+  template <Elt E>
+  static void process_fast_stream(const Problem& p, const Block& blk, const Ws& w) {
+    const i64 D = p.D, Dvp = dvp(p);
+    const int nvec = static_cast<int>(Dvp / W);
+    const float scale = static_cast<float>(p.scale);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    w.m[0] = neg_inf;
+    w.l[0] = 0.0f;
+    for (i64 x = 0; x < Dvp; ++x) w.o[x] = 0.0f;
+    if (blk.ka >= blk.kb) return;
+    to_f32<E>(p.q.data, w.rows[0].q_off, w.qr, D);
+    const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
+    const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
+    const i64 ks = p.k.ss, vs = p.v.ss;
+    static constexpr float kOne[1] = {1.0f};
+    float* s_cur = w.s;  // [BK] scores of the current tile, then its weights
+    float* s_nxt = w.s + BK;
+    Prefetch none;
+    i64 t0 = blk.ka;
+    int kt = static_cast<int>(std::min<i64>(BK, blk.kb - t0));
+    for (int j = 0; j < kt; ++j) fast_qk_mk<E, 1>(w.qr, D, p.k.data, k_base + (t0 + j) * ks, s_cur + j);
+    while (kt > 0) {
+      const i64 t1 = t0 + kt;
+      const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
+      const bool partial = fast_softmax(w, 1, s_cur, t0, kt, scale);
+      const int steps = std::max(kt, ktn);
+      for (int j = 0; j < steps; j += kFastStep) {
+        for (int jj = j; jj < std::min(j + kFastStep, ktn); ++jj)
+          fast_qk_mk<E, 1>(w.qr, D, p.k.data, k_base + (t1 + jj) * ks, s_nxt + jj);
+        if (j < kt) {
+          const int cnt = std::min(kFastStep, kt - j);
+          const float* alpha = j == 0 ? w.alpha : kOne;
+          const i64 voff = v_base + (t0 + j) * vs;
+          if (partial) fast_pv_rows<E, 1, true>(s_cur + j, p.v.data, voff, vs, cnt, w.o, Dvp, alpha, nvec, none);
+          else fast_pv_rows<E, 1, false>(s_cur + j, p.v.data, voff, vs, cnt, w.o, Dvp, alpha, nvec, none);
+        }
+      }
+      std::swap(s_cur, s_nxt);
+      t0 = t1;
+      kt = ktn;
+    }
+  }
+
+  // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb): leaves the
+  // unnormalised O, m and l in `w`, as process() does.
+  template <Elt E>
+  static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
+    if (blk.n == 1) process_fast_stream<E>(p, blk, w);
+    else process_fast_tiles<E>(p, blk, w);
   }
 
   // ---- rows and ranges -----------------------------------------------------------------------

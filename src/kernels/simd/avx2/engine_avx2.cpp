@@ -74,11 +74,6 @@ struct Ops {
     const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
   }
-  // Four horizontal sums at once by a hadd tree (decode fast path).
-  static void hsum4(V a, V b, V c, V d, float* out) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  }
   // 8 bf16 -> fp32: widen and shift into the high half (exact).
   static V load_bf16(const std::uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(

@@ -81,14 +81,6 @@ struct Ops {
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
   }
   static float hsum(V x) { return _mm512_reduce_add_ps(x); }
-  // Four horizontal sums at once: halves added, then a hadd tree (decode fast path).
-  static __m256 half_sum(V x) {
-    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
-  }
-  static void hsum4(V a, V b, V c, V d, float* out) {
-    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(half_sum(a), half_sum(b)), _mm256_hadd_ps(half_sum(c), half_sum(d)));
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-  }
   // 16 bf16 -> fp32: widen and shift into the high half (exact).
   static V load_bf16(const std::uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(

@@ -39,7 +39,6 @@ struct Ops {
     return lo <= g && g < hi ? x : -std::numeric_limits<float>::infinity();
   }
   static float hsum(V x) { return x; }
-  static void hsum4(V a, V b, V c, V d, float* out) { out[0] = a; out[1] = b; out[2] = c; out[3] = d; }
   static V load_bf16(const std::uint16_t* p) { return bf16_to_float(*p); }
   static V load_f16(const std::uint16_t* p) { return half_to_float(*p); }
   static constexpr bool kMaskedFma = false;
