@@ -26,6 +26,23 @@ TEST(Decode, LongCacheGqa) {
   run_case(c, KernelKind::decode);
 }
 
+// One query row per KV head (Sq = 1, Hq = Hkv), the MHA decode step, through each of its passes:
+// q and the output row in registers (D = Dv, at most 8 vectors), 32-key steps (D = 256, or
+// Dv != D), with a tail tile (4100 keys), per-batch key lengths and a window (partially admitted
+// tiles), NaN in a key only some rows admit, padded BSHD strides, every storage dtype.
+TEST(Decode, OneRowPasses) {
+  const std::int64_t dims[][2] = {{16, 16}, {64, 64}, {128, 128}, {256, 256}, {64, 128}};
+  std::uint64_t seed = 300;
+  for (const auto& dd : dims)
+    for (DType dt : {DType::f32, DType::bf16, DType::f16}) {
+      Config c;
+      c.B = 2; c.Hq = c.Hkv = 2; c.Sq = 1; c.Sk = 4100; c.D = dd[0]; c.Dv = dd[1]; c.dtype = dt;
+      c.kv_lens = true; c.partial_nan = true; c.layout = 1; c.seed = ++seed;
+      if (dt == DType::f16) c.wl = 700;  // a window: the first admitted tile is partial
+      run_case(c, KernelKind::decode);
+    }
+}
+
 TEST(Decode, DISABLED_Soak) {
   const char* e = std::getenv("QKV_SOAK_N");
   const int n = e ? std::atoi(e) : 2000;

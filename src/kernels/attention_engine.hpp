@@ -606,6 +606,9 @@ struct Engine {
   // Keys per step of the single-row pipelined pass (process_fast_stream).
   static constexpr int kFastStep = BK < 32 ? BK : 32;
   static constexpr int kQkRows = 4;
+  // Largest D / W for which the one-row pass keeps q and the output row in registers (2 N of
+  // them, with room for the loads and the score).
+  static constexpr int kStreamRegs = Ops::kAccRegs / 3 < 8 ? Ops::kAccRegs / 3 : 8;
 
   static bool decode_fast_ok(const Problem& p) {
     return p.mask.data == nullptr && p.softcap <= 0.0 && p.group() * p.Sq <= kFastRows &&
@@ -860,12 +863,98 @@ struct Engine {
     }
   }
 
+  // process_fast_stream with q and the output row in registers (D = Dv = N vectors, N at most
+  // kStreamRegs): key by key, the score of key j of the next tile, then the PV update of key j of
+  // this one, so the two streams advance together at the finest grain and no output row goes
+  // through memory between steps. The same operations in the same order as
+  // process_fast_stream, so the same result bit for bit.
+  template <Elt E, int N, bool SKIP>
+  static void stream_keys(const V* q, V* acc, const float* sc, int kt, const void* v, i64 voff, i64 vs,
+                          float* sn, int ktn, const void* k, i64 koff, i64 ks) {
+    const int steps = std::max(kt, ktn);
+    for (int j = 0; j < steps; ++j) {
+      if (j < ktn) {
+        V a = Ops::zero();
+#pragma GCC unroll 8
+        for (int d = 0; d < N; ++d) a = Ops::fma(q[d], load_elt<E>(k, koff + j * ks + d * W), a);
+        sn[j] = Ops::hsum(a);
+      }
+      if (j < kt) {
+        const float pj = sc[j];
+        const V pb = Ops::set1(pj);
+        if constexpr (SKIP && Ops::kMaskedFma) {
+          const auto m = Ops::nonzero(pb);
+#pragma GCC unroll 8
+          for (int c = 0; c < N; ++c) acc[c] = Ops::fma_mask(pb, load_elt<E>(v, voff + j * vs + c * W), acc[c], m);
+        } else {
+          if constexpr (SKIP) {
+            if (pj == 0.0f) continue;
+          }
+#pragma GCC unroll 8
+          for (int c = 0; c < N; ++c) acc[c] = Ops::fma(pb, load_elt<E>(v, voff + j * vs + c * W), acc[c]);
+        }
+      }
+    }
+  }
+
+  template <Elt E, int N>
+  static void process_fast_stream_regs(const Problem& p, const Block& blk, const Ws& w) {
+    const float scale = static_cast<float>(p.scale);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    w.m[0] = neg_inf;
+    w.l[0] = 0.0f;
+    V acc[N], q[N];
+    for (int c = 0; c < N; ++c) acc[c] = Ops::zero();
+    if (blk.ka < blk.kb) {
+      to_f32<E>(p.q.data, w.rows[0].q_off, w.qr, p.D);  // p.D == N * W
+      for (int d = 0; d < N; ++d) q[d] = Ops::load(w.qr + d * W);
+      const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
+      const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
+      const i64 ks = p.k.ss, vs = p.v.ss;
+      float* s_cur = w.s;
+      float* s_nxt = w.s + BK;
+      i64 t0 = blk.ka;
+      int kt = static_cast<int>(std::min<i64>(BK, blk.kb - t0));
+      stream_keys<E, N, false>(q, acc, s_cur, 0, p.v.data, 0, vs, s_cur, kt, p.k.data, k_base + t0 * ks, ks);
+      while (kt > 0) {
+        const i64 t1 = t0 + kt;
+        const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
+        const bool partial = fast_softmax(w, 1, s_cur, t0, kt, scale);
+        const V a = Ops::set1(w.alpha[0]);
+        for (int c = 0; c < N; ++c) acc[c] = Ops::mul(acc[c], a);
+        if (partial)
+          stream_keys<E, N, true>(q, acc, s_cur, kt, p.v.data, v_base + t0 * vs, vs, s_nxt, ktn, p.k.data, k_base + t1 * ks, ks);
+        else
+          stream_keys<E, N, false>(q, acc, s_cur, kt, p.v.data, v_base + t0 * vs, vs, s_nxt, ktn, p.k.data, k_base + t1 * ks, ks);
+        std::swap(s_cur, s_nxt);
+        t0 = t1;
+        kt = ktn;
+      }
+    }
+    for (int c = 0; c < N; ++c) Ops::store(w.o + c * W, acc[c]);
+  }
+
   // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb): leaves the
   // unnormalised O, m and l in `w`, as process() does.
   template <Elt E>
   static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
-    if (blk.n == 1) process_fast_stream<E>(p, blk, w);
-    else process_fast_tiles<E>(p, blk, w);
+    if (blk.n == 1) {
+      if (p.D == p.Dv && p.D / W <= kStreamRegs) {
+        switch (p.D / W) {
+          case 1: return process_fast_stream_regs<E, 1>(p, blk, w);
+          case 2: if constexpr (kStreamRegs >= 2) return process_fast_stream_regs<E, 2>(p, blk, w); break;
+          case 3: if constexpr (kStreamRegs >= 3) return process_fast_stream_regs<E, 3>(p, blk, w); break;
+          case 4: if constexpr (kStreamRegs >= 4) return process_fast_stream_regs<E, 4>(p, blk, w); break;
+          case 5: if constexpr (kStreamRegs >= 5) return process_fast_stream_regs<E, 5>(p, blk, w); break;
+          case 6: if constexpr (kStreamRegs >= 6) return process_fast_stream_regs<E, 6>(p, blk, w); break;
+          case 7: if constexpr (kStreamRegs >= 7) return process_fast_stream_regs<E, 7>(p, blk, w); break;
+          case 8: if constexpr (kStreamRegs >= 8) return process_fast_stream_regs<E, 8>(p, blk, w); break;
+          default: break;
+        }
+      }
+      return process_fast_stream<E>(p, blk, w);
+    }
+    process_fast_tiles<E>(p, blk, w);
   }
 
   // ---- rows and ranges -----------------------------------------------------------------------
