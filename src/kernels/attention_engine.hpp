@@ -605,6 +605,7 @@ struct Engine {
   static constexpr int kFastRows = BQ < 16 ? BQ : 16;
   // Keys per step of the single-row pipelined pass (process_fast_stream).
   static constexpr int kFastStep = BK < 32 ? BK : 32;
+  // Rows per score call (one accumulator each, sharing every K load).
   static constexpr int kQkRows = 4;
   // Largest D / W for which the one-row pass keeps q and the output row in registers (2 N of
   // them, with room for the loads and the score).
@@ -817,9 +818,8 @@ struct Engine {
   // to hide the switch between whole K and V tiles. With 2 or 4 rows (GQA) a pipelined pass
   // measured slower than tile by tile (process_fast_tiles), so it serves one row only
   // (docs/performance.md). Same arithmetic in the same order as process_fast_tiles, so the same
-  // result bit for bit: each score is formed alone
-  // and each FMA chain runs in key order (the accumulator is rescaled once per tile, then
-  // multiplied by 1 between steps).
+  // result bit for bit: each score is formed alone and each FMA chain runs in key order (the
+  // accumulator is rescaled once per tile, then multiplied by 1 between steps).
   template <Elt E>
   static void process_fast_stream(const Problem& p, const Block& blk, const Ws& w) {
     const i64 D = p.D, Dvp = dvp(p);

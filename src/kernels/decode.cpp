@@ -10,9 +10,11 @@
 //
 // Fast path (attention_engine.hpp, process_fast): when the rows of a group are few (G x Sq <=
 // min(kBq, 16)), D and Dv are multiples of the vector width, and there is no explicit mask and no
-// softcap, a chunk is processed without the padded row block: scores of 4 keys x up to 4 rows at
-// once (D-vectorised FMAs, one hadd tree per 4 scores), vector exp over the tile's scores, PV with
-// the output rows in registers; bf16/fp16 K and V are widened in registers (exact), so bf16
+// softcap, a chunk is processed without the padded row block: scores one key at a time for up to
+// 4 rows (D-vectorised FMAs, one horizontal sum per score), vector exp over the tile's scores, PV
+// with the output rows in registers; with one row (MHA decode) the scores of the next tile and the
+// PV product of the current one go in one pass, so K and V stream side by side; bf16/fp16 K and V
+// are widened in registers (exact), so bf16
 // decode computes in fp32 throughout (no bf16 rounding of P as in the vdpbf16ps block path).
 // Other cases (masks, softcap, many rows, odd D) use the tile engine unchanged.
 //
