@@ -131,7 +131,8 @@ struct Engine {
   // ---- workspace ---------------------------------------------------------------------------
   struct Ws {
     float* qt;          // [D][SP] fp32, or bf16 pairs [ceil(D/2)][SP] (as uint32)
-    float* qr;          // [BQ][D] fp32 query rows (dot-product form for a few rows)
+    float* qr;          // [BQ][D] fp32 query rows (dot-product form for a few rows; bf16/f16
+                        // rows converted before packing Q)
     float* s;           // [BK][BQ]
     float* o;           // [BQ][Dvp]
     float* m;           // [BQ]
@@ -139,7 +140,7 @@ struct Engine {
     float* alpha;       // [BQ]
     float* lo_f;        // [BQ] admissible key range per row, as floats
     float* hi_f;        // [BQ]
-    float* kbuf;        // [BK][Dp] fp32 (converted K rows; also a row buffer when packing Q)
+    float* kbuf;        // [BK][Dp] fp32 (converted K rows)
     float* vbuf;        // [BK][Dvp] fp32
     std::uint32_t* pp;  // [BK/2][BQ] bf16 pairs of P
     std::uint32_t* vp;  // [BK/2][Dvp] bf16 pairs of V
@@ -448,11 +449,7 @@ struct Engine {
     } else if (few) {
       for (int r = 0; r < n; ++r) to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
     } else {
-      for (i64 x = 0; x < D * sp; ++x) w.qt[x] = 0.0f;
-      for (int r = 0; r < n; ++r) {
-        to_f32<E>(p.q.data, w.rows[r].q_off, w.kbuf, D);
-        for (i64 d = 0; d < D; ++d) w.qt[d * sp + r] = w.kbuf[d];
-      }
+      pack_qt<E>(p, w, n, sp);
     }
 
     // Row ranges as floats for the vector select (exact while key indices stay below 2^24).
@@ -464,6 +461,35 @@ struct Engine {
   }
 
   static bool vec_ranges(const Block& blk) { return blk.kb < (i64{1} << 24); }
+
+  // w.qt[d * sp + r] = q_r[d] (fp32), rows r >= n zero: W x W blocks transposed in registers
+  // (Ops::transpose), the last D % W columns one by one. bf16/f16 rows are converted into w.qr
+  // first. Element by element, with a store to a new cache line each time, this packing was a
+  // visible part of short calls (docs/performance.md).
+  template <Elt E>
+  static void pack_qt(const Problem& p, const Ws& w, int n, int sp) {
+    alignas(64) static constexpr float kZeros[W] = {};
+    const i64 D = p.D;
+    const float* src[BQ];
+    for (int r = 0; r < n; ++r) {
+      if constexpr (E == Elt::f32) {
+        src[r] = static_cast<const float*>(p.q.data) + w.rows[r].q_off;
+      } else {
+        to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
+        src[r] = w.qr + r * D;
+      }
+    }
+    const i64 Dw = D / W * W;
+    for (int r0 = 0; r0 < sp; r0 += W) {
+      const float* rows[W];
+      for (i64 d = 0; d < Dw; d += W) {
+        for (int x = 0; x < W; ++x) rows[x] = r0 + x < n ? src[r0 + x] + d : kZeros;
+        Ops::transpose(rows, w.qt + d * sp + r0, sp);
+      }
+      for (i64 d = Dw; d < D; ++d)
+        for (int x = 0; x < W; ++x) w.qt[d * sp + r0 + x] = r0 + x < n ? src[r0 + x][d] : 0.0f;
+    }
+  }
 
   // One key tile [t0, min(t0 + BK, blk.kb)) of a started block: S = QK^T, masks, online softmax,
   // O = alpha O + PV. `prefetch`: request this tile's V and the next tile's K rows.
@@ -1018,7 +1044,12 @@ struct Engine {
     const i64 sx = p.out.sx;
     if (p.out.dtype == DType::f32) {
       float* dst = static_cast<float*>(p.out.data) + off;
-      for (i64 x = 0; x < Dv; ++x) dst[x * sx] = empty ? 0.0f : o[x] / l;
+      i64 x = 0;
+      if (sx == 1 && !empty) {  // the same divisions, W at a time
+        const V vl = Ops::set1(l);
+        for (; x + W <= Dv; x += W) Ops::store(dst + x, Ops::div(Ops::load(o + x), vl));
+      }
+      for (; x < Dv; ++x) dst[x * sx] = empty ? 0.0f : o[x] / l;
     } else {
       for (i64 x = 0; x < Dv; ++x) store_scalar(p.out.data, p.out.dtype, off + x * sx, empty ? 0.0f : o[x] / l);
     }

@@ -39,6 +39,29 @@ struct Ops {
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  // dst[c * ld + x] = rows[x][c] for x, c < 8: an 8 x 8 block transposed in registers.
+  static void transpose(const float* const* rows, float* dst, std::int64_t ld) {
+    V t[8], u[8];
+    for (int i = 0; i < 4; ++i) {
+      const V a = _mm256_loadu_ps(rows[2 * i]), b = _mm256_loadu_ps(rows[2 * i + 1]);
+      t[2 * i] = _mm256_unpacklo_ps(a, b);
+      t[2 * i + 1] = _mm256_unpackhi_ps(a, b);
+    }
+    // u[4g + k], 128-bit lane L: rows 4g..4g+3 of column 4L + k.
+    for (int g = 0; g < 2; ++g) {
+      const __m256d lo01 = _mm256_castps_pd(t[4 * g]), hi01 = _mm256_castps_pd(t[4 * g + 1]);
+      const __m256d lo23 = _mm256_castps_pd(t[4 * g + 2]), hi23 = _mm256_castps_pd(t[4 * g + 3]);
+      u[4 * g] = _mm256_castpd_ps(_mm256_unpacklo_pd(lo01, lo23));
+      u[4 * g + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(lo01, lo23));
+      u[4 * g + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(hi01, hi23));
+      u[4 * g + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(hi01, hi23));
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm256_storeu_ps(dst + k * ld, _mm256_permute2f128_ps(u[k], u[4 + k], 0x20));
+      _mm256_storeu_ps(dst + (4 + k) * ld, _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
+    }
+  }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V safe_max(V m) {
     const V k = _mm256_cmp_ps(m, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);

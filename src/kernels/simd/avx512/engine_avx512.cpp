@@ -51,6 +51,37 @@ struct Ops {
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  // dst[c * ld + x] = rows[x][c] for x, c < 16: a 16 x 16 block transposed in registers
+  // (unpack pairs, then 64-bit pairs, then 128-bit lanes twice).
+  static void transpose(const float* const* rows, float* dst, std::int64_t ld) {
+    V t[16], u[16];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      const V a = _mm512_loadu_ps(rows[2 * i]), b = _mm512_loadu_ps(rows[2 * i + 1]);
+      t[2 * i] = _mm512_unpacklo_ps(a, b);
+      t[2 * i + 1] = _mm512_unpackhi_ps(a, b);
+    }
+    // u[4g + k], 128-bit lane L: rows 4g..4g+3 of column 4L + k.
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m512d lo01 = _mm512_castps_pd(t[4 * g]), hi01 = _mm512_castps_pd(t[4 * g + 1]);
+      const __m512d lo23 = _mm512_castps_pd(t[4 * g + 2]), hi23 = _mm512_castps_pd(t[4 * g + 3]);
+      u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo01, lo23));
+      u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo01, lo23));
+      u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi01, hi23));
+      u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi01, hi23));
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const V v0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88), w0 = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+      const V v1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88), w1 = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+      _mm512_storeu_ps(dst + k * ld, _mm512_shuffle_f32x4(v0, v1, 0x88));
+      _mm512_storeu_ps(dst + (4 + k) * ld, _mm512_shuffle_f32x4(w0, w1, 0x88));
+      _mm512_storeu_ps(dst + (8 + k) * ld, _mm512_shuffle_f32x4(v0, v1, 0xDD));
+      _mm512_storeu_ps(dst + (12 + k) * ld, _mm512_shuffle_f32x4(w0, w1, 0xDD));
+    }
+  }
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   static V safe_max(V m) {
     const __mmask16 k = _mm512_cmp_ps_mask(m, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_EQ_OQ);

@@ -32,6 +32,8 @@ struct Ops {
   static V mul(V a, V b) { return a * b; }
   static V add(V a, V b) { return a + b; }
   static V sub(V a, V b) { return a - b; }
+  static V div(V a, V b) { return a / b; }
+  static void transpose(const float* const* rows, float* dst, std::int64_t) { dst[0] = rows[0][0]; }
   static V max(V a, V b) { return b > a ? b : a; }
   static V exp(V x) { return std::exp(x); }
   static V safe_max(V m) { return m == -std::numeric_limits<float>::infinity() ? 0.0f : m; }
