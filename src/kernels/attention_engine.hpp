@@ -228,6 +228,8 @@ struct Engine {
       qk_mk<NQV, MR>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
       pf.step(MR);
     }
+    if constexpr (MR > 4)  // BK = 64 keys are 10 x 6 + 4 with MR = 6: the last 4 in one call
+      for (; j + 4 <= kt; j += 4) qk_mk<NQV, 4>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
     for (; j + 2 <= kt; j += 2) qk_mk<NQV, 2>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
     for (; j < kt; ++j) qk_mk<NQV, 1>(qt, sp, k + j * ks, ks, D, s + j * ssp, ssp);
   }
@@ -325,6 +327,8 @@ struct Engine {
       pv_mk<MR, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
       pf.step(4);
     }
+    if constexpr (MR > 4)  // as in qk_rows: 64 rows are 10 x 6 + 4
+      for (; r + 4 <= n; r += 4) pv_mk<4, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
     for (; r + 2 <= n; r += 2) pv_mk<2, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
     for (; r < n; ++r) pv_mk<1, NC, SKIP>(s + r, sp, v, vs, kt, o + r * os, os, alpha + r);
   }
