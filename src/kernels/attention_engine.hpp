@@ -442,14 +442,7 @@ struct Engine {
     const bool few = few_rows(n);
     // Pack Q: transposed fp32 (or bf16 pairs for the dot-product path), padded rows zero.
     if constexpr (DP) {
-      std::uint32_t* qp = reinterpret_cast<std::uint32_t*>(w.qt);
-      const i64 D2 = (D + 1) / 2;
-      for (i64 x = 0; x < D2 * sp; ++x) qp[x] = 0;
-      for (int r = 0; r < n; ++r) {
-        const std::uint16_t* q = static_cast<const std::uint16_t*>(p.q.data) + w.rows[r].q_off;
-        for (i64 d = 0; d < D; ++d)
-          qp[(d / 2) * sp + r] |= static_cast<std::uint32_t>(q[d]) << (16 * (d & 1));
-      }
+      pack_qp(p, w, n, sp);
     } else if (few) {
       for (int r = 0; r < n; ++r) to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
     } else {
@@ -492,6 +485,36 @@ struct Engine {
       }
       for (i64 d = Dw; d < D; ++d)
         for (int x = 0; x < W; ++x) w.qt[d * sp + r0 + x] = r0 + x < n ? src[r0 + x][d] : 0.0f;
+    }
+  }
+
+  // bf16 pairs for vdpbf16ps: qp[dp * sp + r] = (q_r[2 dp], q_r[2 dp + 1]) as one 32-bit word
+  // (low half first), rows r >= n and the missing partner of an odd D zero. A pair is one
+  // little-endian 32-bit word of the row as stored, so whole pairs are the words of the rows
+  // transposed by Ops::transpose (shuffles only: the bits pass unchanged).
+  static void pack_qp(const Problem& p, const Ws& w, int n, int sp) {
+    alignas(64) static constexpr float kZeros[W] = {};
+    std::uint32_t* qp = reinterpret_cast<std::uint32_t*>(w.qt);
+    const i64 D = p.D, D2 = D / 2;  // whole pairs
+    const std::uint16_t* src[BQ];
+    for (int r = 0; r < n; ++r) src[r] = static_cast<const std::uint16_t*>(p.q.data) + w.rows[r].q_off;
+    const i64 Dw = D2 / W * W;
+    for (int r0 = 0; r0 < sp; r0 += W) {
+      const float* rows[W];
+      for (i64 dp = 0; dp < Dw; dp += W) {
+        for (int x = 0; x < W; ++x)
+          rows[x] = r0 + x < n ? reinterpret_cast<const float*>(src[r0 + x] + 2 * dp) : kZeros;
+        Ops::transpose(rows, reinterpret_cast<float*>(qp + dp * sp + r0), sp);
+      }
+      for (int x = 0; x < W; ++x) {
+        const int r = r0 + x;
+        for (i64 dp = Dw; dp < D2; ++dp) {
+          std::uint32_t pair = 0;
+          if (r < n) std::memcpy(&pair, src[r] + 2 * dp, 4);
+          qp[dp * sp + r] = pair;
+        }
+        if (D & 1) qp[D2 * sp + r] = r < n ? src[r][D - 1] : 0u;
+      }
     }
   }
 
