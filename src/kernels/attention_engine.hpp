@@ -20,7 +20,9 @@
 //                    so the row max and row sum of the online softmax are vertical operations
 //   o   [kBq][Dvp]   the unnormalised output accumulator (Dvp = Dv rounded up to the width)
 //   m, l, alpha      running max, running sum, rescale factor per row (fp32)
-//   kbuf, vbuf       K/V tiles converted to fp32 (only for fp16/bf16 inputs or a Dv tail)
+//   kbuf, vbuf       K/V tiles converted to fp32 (only for fp16/bf16 inputs or a Dv tail);
+//                    with vp (V repacked as bf16 pairs) shared by the blocks of a group, each
+//                    tile converted once per group (TileTag)
 // QK^T: outer products over d (broadcast one K element, FMA with a vector of queries), MR keys x
 // NQV query vectors of accumulators in registers. PV: MR query rows x NC vectors of Dv in
 // registers, rescaled by alpha on load, accumulating over the tile's keys.
@@ -129,6 +131,16 @@ struct Engine {
   static_assert(BQ % W == 0 && BK % 2 == 0);
 
   // ---- workspace ---------------------------------------------------------------------------
+  // Which K or V rows a converted or repacked tile buffer holds, so that the blocks of a group,
+  // which share these buffers, convert or repack each tile once (process_group).
+  struct TileTag {
+    const void* data;
+    i64 off;  // element offset of the tile's first row
+    int kt;   // rows; 0: holds nothing
+    bool holds(const void* d, i64 o, int k) const { return kt == k && data == d && off == o; }
+    void set(const void* d, i64 o, int k) { data = d; off = o; kt = k; }
+  };
+
   struct Ws {
     float* qt;          // [D][SP] fp32, or bf16 pairs [ceil(D/2)][SP] (as uint32)
     float* qr;          // [BQ][D] fp32 query rows (dot-product form for a few rows; bf16/f16
@@ -145,7 +157,9 @@ struct Engine {
     std::uint32_t* pp;  // [BK/2][BQ] bf16 pairs of P
     std::uint32_t* vp;  // [BK/2][Dvp] bf16 pairs of V
     Row* rows;          // [BQ]
+    TileTag* tags;      // [3]: what kbuf, vbuf and vp hold
   };
+  enum { kTagK, kTagV, kTagVp };
 
   static i64 dvp(const Problem& p) { return round_up(p.Dv, W); }
   static i64 dp(const Problem& p) { return round_up(p.D, 2); }
@@ -154,7 +168,8 @@ struct Engine {
     const std::size_t f = sizeof(float);
     return 2 * align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
            5 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
-           align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row));
+           align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row)) +
+           align_up(3 * sizeof(TileTag));
   }
 
   static Ws carve(const Problem& p, char* base) {
@@ -175,6 +190,7 @@ struct Engine {
     w.pp = reinterpret_cast<std::uint32_t*>(take(BK / 2 * BQ * 4));
     w.vp = reinterpret_cast<std::uint32_t*>(take(BK / 2 * dvp(p) * 4));
     w.rows = reinterpret_cast<Row*>(take(BQ * sizeof(Row)));
+    w.tags = reinterpret_cast<TileTag*>(take(3 * sizeof(TileTag)));
     return w;
   }
 
@@ -437,6 +453,7 @@ struct Engine {
 
     for (int r = 0; r < BQ; ++r) { w.m[r] = neg_inf; w.l[r] = 0.0f; }
     for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
+    for (int x = 0; x < 3; ++x) w.tags[x].kt = 0;  // the inputs may have changed since the last call
     if (blk.ka >= blk.kb) return;
 
     const bool few = few_rows(n);
@@ -558,7 +575,11 @@ struct Engine {
         kt_ptr = static_cast<const float*>(p.k.data) + k_base + t0 * p.k.ss;
         kstride = p.k.ss;
       } else {
-        for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, k_base + (t0 + j) * p.k.ss, w.kbuf + j * D, D);
+        const i64 koff = k_base + t0 * p.k.ss;
+        if (!w.tags[kTagK].holds(p.k.data, koff, kt)) {
+          for (int j = 0; j < kt; ++j) to_f32<E>(p.k.data, koff + j * p.k.ss, w.kbuf + j * D, D);
+          w.tags[kTagK].set(p.k.data, koff, kt);
+        }
         kt_ptr = w.kbuf;
         kstride = D;
       }
@@ -616,8 +637,11 @@ struct Engine {
       if (full) {
         pf_k.rest();
         Ops::pack_p_bf16(w.s, ssp, nqv, kt, w.pp);
-        Ops::pack_v_bf16(static_cast<const std::uint16_t*>(p.v.data) + v_base + t0 * p.v.ss, p.v.ss,
-                         Dv, nvec, kt, w.vp);
+        const i64 voff = v_base + t0 * p.v.ss;
+        if (!w.tags[kTagVp].holds(p.v.data, voff, kt)) {
+          Ops::pack_v_bf16(static_cast<const std::uint16_t*>(p.v.data) + voff, p.v.ss, Dv, nvec, kt, w.vp);
+          w.tags[kTagVp].set(p.v.data, voff, kt);
+        }
         Ops::pv_bf16(w.pp, sp, w.vp, nvec, (kt + 1) / 2, w.o, Dvp, w.alpha, n);
         return;
       }
@@ -628,10 +652,14 @@ struct Engine {
       vt = static_cast<const float*>(p.v.data) + v_base + t0 * p.v.ss;
       vs = p.v.ss;
     } else {
-      for (int j = 0; j < kt; ++j) {
-        float* dst = w.vbuf + j * Dvp;
-        to_f32<E>(p.v.data, v_base + (t0 + j) * p.v.ss, dst, Dv);
-        for (i64 x = Dv; x < Dvp; ++x) dst[x] = 0.0f;
+      const i64 voff = v_base + t0 * p.v.ss;
+      if (!w.tags[kTagV].holds(p.v.data, voff, kt)) {
+        for (int j = 0; j < kt; ++j) {
+          float* dst = w.vbuf + j * Dvp;
+          to_f32<E>(p.v.data, voff + j * p.v.ss, dst, Dv);
+          for (i64 x = Dv; x < Dvp; ++x) dst[x] = 0.0f;
+        }
+        w.tags[kTagV].set(p.v.data, voff, kt);
       }
       vt = w.vbuf;
       vs = Dvp;
@@ -1096,6 +1124,13 @@ struct Engine {
       char* mine = ws + kGroup * wsb * omp_get_thread_num();
       Ws w[kGroup];
       for (int x = 0; x < kGroup; ++x) w[x] = carve(p, mine + x * wsb);
+      // The blocks of a group read the same K/V tiles: one converted or repacked copy of each.
+      for (int x = 1; x < kGroup; ++x) {
+        w[x].kbuf = w[0].kbuf;
+        w[x].vbuf = w[0].vbuf;
+        w[x].vp = w[0].vp;
+        w[x].tags = w[0].tags;
+      }
 #pragma omp for schedule(dynamic, 1)
       for (i64 it = 0; it < items; ++it) {
         // One item: a group of adjacent query blocks (process_group). Head-major: consecutive
