@@ -193,15 +193,18 @@ struct Ops {
   }
 
   // pp[jp][i] = (bf16(P[2jp][i]), bf16(P[2jp+1][i])), a missing last key paired with 0.
+  // vcvtne2ps2bf16 rounds both rows at once (the lower row into the low 16 words), and one word
+  // permutation interleaves them into pairs.
   static void pack_p_bf16(const float* s, int ssp, int nqv, int kt, std::uint32_t* pp) {
     const int sp = nqv * 16;
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     for (int j = 0; j < kt; j += 2)
       for (int c = 0; c < nqv; ++c) {
-        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j * ssp + c * 16)));
-        const __m512i hi = j + 1 < kt
-            ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + (j + 1) * ssp + c * 16)))
-            : _mm512_setzero_si512();
-        _mm512_storeu_si512(pp + (j / 2) * sp + c * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        const V lo = _mm512_loadu_ps(s + j * ssp + c * 16);
+        const V hi = j + 1 < kt ? _mm512_loadu_ps(s + (j + 1) * ssp + c * 16) : _mm512_setzero_ps();
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+        _mm512_storeu_si512(pp + (j / 2) * sp + c * 16, _mm512_permutexvar_epi16(pairs, both));
       }
   }
 
