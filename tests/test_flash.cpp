@@ -260,6 +260,30 @@ TEST(Flash, SharedTileBuffersFollowTheInputs) {
   }
 }
 
+// Scores with an additive mask are rounded as written: fl(fl(q.k * scale) + mask), never one
+// fused multiply-add (whether the compiler fused them used to depend on how it inlined the
+// kernel, so unrelated changes moved results by an ulp). q.k * scale = 1 + 2^-22 + 2^-46, whose
+// fp32 rounding 1 + 2^-22 the mask cancels exactly: the score, and with one key the lse, is 0;
+// a fused multiply-add would give 2^-46.
+TEST(Flash, MaskedScoreRoundedAsWritten) {
+  const float one_ulp = std::ldexp(1.0f, -23);
+  for (KernelKind kind : {KernelKind::flash, KernelKind::decode}) {
+    Tensor q(DType::f32, {1, 1, 1, 1}), k(DType::f32, {1, 1, 1, 1}), v(DType::f32, {1, 1, 1, 1});
+    Tensor m(DType::f32, {1, 1}), o(DType::f32, {1, 1, 1, 1}), lse(DType::f32, {1, 1, 1});
+    q.data_as<float>()[0] = 1.0f + one_ulp;
+    k.data_as<float>()[0] = 1.0f;
+    v.data_as<float>()[0] = 3.0f;
+    m.data_as<float>()[0] = -(1.0f + 2.0f * one_ulp);
+    AttentionParams p;
+    p.kernel = kind;
+    p.scale = 1.0 + std::ldexp(1.0, -23);
+    p.mask = m.view();
+    attention(q, k, v, o, p, lse.view());
+    EXPECT_EQ(o.data_as<float>()[0], 3.0f);
+    EXPECT_EQ(lse.data_as<float>()[0], 0.0f) << "kernel " << static_cast<int>(kind);
+  }
+}
+
 // The vector exp of each ISA: max relative error against double exp over the softmax's range
 // [-87, 0] (arguments s - max <= 0), exact 0 for -inf, (almost) 0 below the normal range, NaN kept.
 TEST(Flash, VectorExp) {

@@ -1262,7 +1262,8 @@ struct Engine {
             for (i64 d = 0; d < Dvp; ++d) accd[d] += a * src[d];
           }
         }
-        float* acc = w.vbuf;
+        float* acc = w.vbuf;  // scratch: vbuf no longer holds a tile
+        w.tags[kTagV].kt = 0;
         for (i64 d = 0; d < Dvp; ++d)
           acc[d] = nan ? std::numeric_limits<float>::quiet_NaN() : any ? static_cast<float>(accd[d] / lsum) : 0.0f;
         const Row row = make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
