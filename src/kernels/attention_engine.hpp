@@ -365,13 +365,11 @@ struct Engine {
     const V vmul = Ops::set1(mul);
     for (int c = 0; c < nqv; ++c) {
       float* sc = s + c * W;
+      // The scaled scores are not stored: the exp pass scales them again (the same products),
+      // which is cheaper than a store and a reload.
       V mx = Ops::set1(-std::numeric_limits<float>::infinity());
       if (mul != 1.0f) {
-        for (int j = 0; j < kt; ++j) {
-          const V x = Ops::mul(Ops::load(sc + j * sp), vmul);
-          Ops::store(sc + j * sp, x);
-          mx = Ops::max(mx, x);
-        }
+        for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::mul(Ops::load(sc + j * sp), vmul));
       } else {
         for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::load(sc + j * sp));
       }
@@ -382,15 +380,15 @@ struct Engine {
       V sum0 = Ops::zero(), sum1 = Ops::zero();
       int j = 0;
       for (; j + 2 <= kt; j += 2) {
-        const V p0 = Ops::exp(Ops::sub(Ops::load(sc + j * sp), ms));
-        const V p1 = Ops::exp(Ops::sub(Ops::load(sc + (j + 1) * sp), ms));
+        const V p0 = Ops::exp(Ops::sub(Ops::mul(Ops::load(sc + j * sp), vmul), ms));
+        const V p1 = Ops::exp(Ops::sub(Ops::mul(Ops::load(sc + (j + 1) * sp), vmul), ms));
         Ops::store(sc + j * sp, p0);
         Ops::store(sc + (j + 1) * sp, p1);
         sum0 = Ops::add(sum0, p0);
         sum1 = Ops::add(sum1, p1);
       }
       if (j < kt) {
-        const V p0 = Ops::exp(Ops::sub(Ops::load(sc + j * sp), ms));
+        const V p0 = Ops::exp(Ops::sub(Ops::mul(Ops::load(sc + j * sp), vmul), ms));
         Ops::store(sc + j * sp, p0);
         sum0 = Ops::add(sum0, p0);
       }
