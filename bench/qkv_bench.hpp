@@ -87,9 +87,11 @@ double measure_kv_read_bandwidth(int threads, double bytes, double seconds = 0.2
 // ---- timing ------------------------------------------------------------------------------------
 
 double median(std::vector<double> v);
-/// Calls fn once to warm up, then `repeats` times (fewer if the warm-up run says they would take
-/// more than `budget_s`, at least 1), and returns every timed duration in seconds.
-std::vector<double> time_runs(const std::function<void()>& fn, int repeats, double budget_s);
+/// Calls fn once to warm up, then `repeats` times, or more when the warm-up run says that
+/// `repeats` runs would take less than `min_s` seconds (as many as fill min_s: a median of many
+/// short runs is not moved by a short slow phase of a shared machine), fewer when they would take
+/// more than `budget_s` (at least 1). Returns every timed duration in seconds.
+std::vector<double> time_runs(const std::function<void()>& fn, int repeats, double budget_s, double min_s = 0);
 
 // ---- memory ------------------------------------------------------------------------------------
 

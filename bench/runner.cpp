@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -88,7 +89,7 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::vector<double> time_runs(const std::function<void()>& fn, int repeats, double budget_s) {
+std::vector<double> time_runs(const std::function<void()>& fn, int repeats, double budget_s, double min_s) {
   using Clock = std::chrono::steady_clock;
   auto once = [&] {
     const auto t0 = Clock::now();
@@ -97,6 +98,7 @@ std::vector<double> time_runs(const std::function<void()>& fn, int repeats, doub
   };
   const double warm = once();
   int n = std::max(1, repeats);
+  if (warm * n < min_s) n = static_cast<int>(std::min(std::ceil(min_s / std::max(warm, 1e-9)), 1e6));
   if (warm * n > budget_s) n = std::max(1, static_cast<int>(budget_s / std::max(warm, 1e-9)));
   std::vector<double> t;
   t.reserve(static_cast<std::size_t>(n));

@@ -2,8 +2,10 @@
 // FLOP and byte counts the reports divide by. (Timings are never asserted.)
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <string>
+#include <thread>
 
 #include "qkv/reference.hpp"
 #include "qkv_bench.hpp"
@@ -88,6 +90,18 @@ TEST(Timing, MedianAndRunCount) {
   const auto t = qkv::bench::time_runs([&] { ++calls; }, 4, 10.0);
   EXPECT_EQ(t.size(), 4u);
   EXPECT_EQ(calls, 5);  // one warm-up
+}
+
+// Calls shorter than min_s / repeats run as many times as fill min_s; the budget still caps them.
+TEST(Timing, MinimumTimeAddsRuns) {
+  int calls = 0;
+  const auto slow = [&] { ++calls; std::this_thread::sleep_for(std::chrono::milliseconds(2)); };
+  const auto t = qkv::bench::time_runs(slow, 2, 10.0, 0.05);
+  EXPECT_GT(t.size(), 2u);
+  EXPECT_LE(t.size(), 25u);  // at most 0.05 s / 2 ms
+  EXPECT_EQ(calls, static_cast<int>(t.size()) + 1);
+  calls = 0;
+  EXPECT_EQ(qkv::bench::time_runs(slow, 2, 0.001, 0.05).size(), 1u);  // budget wins: one run
 }
 
 }  // namespace

@@ -36,7 +36,7 @@ struct BenchOptions {
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
-  double budget = 30.0, peak_seconds = 0.25, read_mib = 512;
+  double budget = 30.0, min_time = 0.5, peak_seconds = 0.25, read_mib = 512;
 };
 
 // One measured line of the report.
@@ -150,7 +150,7 @@ public:
     }
     bench::NaiveBaseline base(s, threads);
     auto out = std::make_shared<Tensor>(DType::f32, Shape{s.B, s.Hq, s.Sq, s.D});
-    const auto t = bench::time_runs([&] { base.run(f32.q, f32.k, f32.v, *out, causal); }, o_.repeats, o_.budget);
+    const auto t = bench::time_runs([&] { base.run(f32.q, f32.k, f32.v, *out, causal); }, o_.repeats, o_.budget, o_.min_time);
     BaselineResult r{bench::median(t), out};
     cache_.emplace(key, r);
     return r;
@@ -173,7 +173,7 @@ public:
     p.num_threads = threads;
     if (o_.reference) p.kernel = KernelKind::reference;
     r.kernel = bench::dispatched_kernel(in, p);
-    const auto t = bench::time_runs([&] { attention(in.q, in.k, in.v, in.out, p); }, o_.repeats, o_.budget);
+    const auto t = bench::time_runs([&] { attention(in.q, in.k, in.v, in.out, p); }, o_.repeats, o_.budget, o_.min_time);
     r.repeats = static_cast<int>(t.size());
     r.seconds = bench::median(t);
     r.gflops = bench::forward_flops(s, causal) / r.seconds * 1e-9;
@@ -405,7 +405,8 @@ void run_bench(BenchOptions o) {
   if (o.memory && !skip_reference(o, memory_shape, false, DType::f32, threads))
     memory_use = bench::measure_memory(memory_shape, DType::f32, false, threads);
 
-  std::fprintf(g_out, "qkv %s bench: %d threads, medians of up to %d runs\n", qkv::version(), threads, o.repeats);
+  std::fprintf(g_out, "qkv %s bench: %d threads, medians of %d runs or of as many as fill %.2g s, at most %.3g s per shape\n",
+               qkv::version(), threads, o.repeats, o.min_time, o.budget);
   std::fprintf(g_out, "cpu features: %s\n", qkv::cpu_features_string().c_str());
   std::fprintf(g_out, "%s\n", bench::blas_env_note().c_str());
   Runner run(o);
@@ -532,6 +533,9 @@ void add_bench(CLI::App& app) {
       ->delimiter(',')->check(CLI::PositiveNumber);
   cmd->add_option("--repeats", o->repeats, "timed runs per shape after one warm-up; the median is shown (default 5)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--min-time", o->min_time,
+                  "seconds of timed runs per shape at least: short calls run more than --repeats times (default 0.5)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--budget", o->budget, "seconds of timed runs per shape at most (default 30; at least one run)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--threads", o->threads, "threads for qkv and the baseline (0 = OpenMP default)")

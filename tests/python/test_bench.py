@@ -29,7 +29,7 @@ def main() -> int:
         env["OPENBLAS_L2_SIZE"] = "512"
         env.pop("QKV_BENCH_BLAS_ENV", None)
         cmd = [qkv, "bench", "--quick", "--seqlens", "64", "--decode-seqlens", "256", "--repeats", "1",
-               "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
+               "--min-time", "0", "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
                "--memory-seqlen", "128", "--json", path, "--markdown", path + ".md"]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         check(r.returncode == 0, f"exit status {r.returncode}, stderr: {r.stderr}")
@@ -61,6 +61,7 @@ def main() -> int:
             check(isinstance(row["causal"], bool), "causal not a bool")
             check(row["seconds"] > 0 and math.isfinite(row["gflops"]) and row["gflops"] > 0, f"timing {row}")
             check(row["kernel"] and row["kernel"] != "unknown", f"kernel {row['kernel']!r}")
+            check(row.get("repeats") == 1, f"--repeats 1 --min-time 0 gave {row.get('repeats')} timed runs")
             if row["kind"] in ("forward", "decode"):
                 s = row["shape"]
                 check(row["baseline_seconds"] is not None and row["baseline_seconds"] > 0, "no baseline")
