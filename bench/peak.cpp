@@ -146,10 +146,9 @@ double measure_kv_read_bandwidth(int threads, double bytes, double seconds) {
   return measure_streams(threads, bytes, seconds, 2);
 }
 
-Peaks measure_peaks(int threads, double seconds, double read_mib) {
+Peaks measure_compute_peaks(int threads, double seconds) {
   Peaks p;
   p.threads = threads < 1 ? 1 : threads;
-  p.read_mib = read_mib;
   const auto& cpu = qkv::detail::cpu_features();
   (void)cpu;
 #if defined(QKV_BENCH_X86)
@@ -167,6 +166,12 @@ Peaks measure_peaks(int threads, double seconds, double read_mib) {
     p.fma_isa = "scalar";
     p.fma_gflops = loop_gflops(p.threads, 16.0, seconds, fma_loop_scalar);
   }
+  return p;
+}
+
+Peaks measure_peaks(int threads, double seconds, double read_mib) {
+  Peaks p = measure_compute_peaks(threads, seconds);
+  p.read_mib = read_mib;
   p.read_gbps = measure_read_bandwidth(p.threads, p.read_mib * 1048576.0, seconds);
   return p;
 }

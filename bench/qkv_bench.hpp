@@ -74,6 +74,8 @@ struct Peaks {
 };
 /// Runs the three microbenchmarks with `threads` OpenMP threads, each for about `seconds`.
 Peaks measure_peaks(int threads, double seconds = 0.25, double read_mib = 512);
+/// The two compute microbenchmarks only (fma_gflops, bf16_gflops, fma_isa; read_gbps stays 0).
+Peaks measure_compute_peaks(int threads, double seconds = 0.25);
 /// Read bandwidth in GB/s of `threads` threads streaming through a buffer of about `bytes`
 /// (split evenly, first touched by its reader), best pass of those in about `seconds`. On this
 /// kind of machine the figure depends strongly on the size (caches, and in virtual machines the

@@ -36,7 +36,7 @@ struct BenchOptions {
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
-  double budget = 30.0, min_time = 0.5, peak_seconds = 0.25, read_mib = 512;
+  double budget = 30.0, min_time = 0.5, adjacent_seconds = 0.1, peak_seconds = 0.25, read_mib = 512;
 };
 
 // One measured line of the report.
@@ -55,6 +55,9 @@ struct Row {
   double peak_value = 0;  // its value (GFLOP/s or GB/s)
   std::optional<bench::MemoryUse> mem;
   std::optional<double> kv_read_gbps;  // decode: two-stream (K and V) read bandwidth of this size
+  // The same peak (peak_name) measured just before and just after this row's timed runs, the
+  // higher of the two: the machine's speed in the phase the row ran in.
+  std::optional<double> adjacent_peak;
 };
 
 // The machine's peaks, measured once per thread count used.
@@ -173,7 +176,16 @@ public:
     p.num_threads = threads;
     if (o_.reference) p.kernel = KernelKind::reference;
     r.kernel = bench::dispatched_kernel(in, p);
+    // The row's peak (compute, or the read bandwidth of a buffer of its K+V size for decode),
+    // measured again right before and right after the timed runs.
+    const auto adjacent = [&] {
+      if (kind == "decode") return bench::measure_read_bandwidth(threads, bench::kv_bytes(s, dtype), o_.adjacent_seconds);
+      const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds);
+      return dtype == DType::bf16 && c.bf16_gflops > 0 ? c.bf16_gflops : c.fma_gflops;
+    };
+    const double before = o_.adjacent_seconds > 0 ? adjacent() : 0.0;
     const auto t = bench::time_runs([&] { attention(in.q, in.k, in.v, in.out, p); }, o_.repeats, o_.budget, o_.min_time);
+    if (o_.adjacent_seconds > 0) r.adjacent_peak = std::max(before, adjacent());
     r.repeats = static_cast<int>(t.size());
     r.seconds = bench::median(t);
     r.gflops = bench::forward_flops(s, causal) / r.seconds * 1e-9;
@@ -243,6 +255,11 @@ json row_json(const Row& r) {
     j["seconds_1thread"] = *r.seconds_1thread;
     j["speedup_vs_1thread"] = *r.seconds_1thread / r.seconds;
   }
+  if (r.adjacent_peak) {
+    j["adjacent_peak_value"] = *r.adjacent_peak;
+    const double rate = r.kind == "decode" ? r.gbps : r.gflops;
+    j["adjacent_peak_fraction"] = *r.adjacent_peak > 0 ? rate / *r.adjacent_peak : 0.0;
+  }
   if (r.kv_read_gbps) {
     j["kv_read_gbps"] = *r.kv_read_gbps;
     j["kv_read_fraction"] = *r.kv_read_gbps > 0 ? r.gbps / *r.kv_read_gbps : 0.0;
@@ -293,6 +310,9 @@ void print_row(const Row& r) {
   if (r.mem)
     std::fprintf(g_out, "%-8s   resident after inputs %.1f MiB, peak %.1f MiB, added by the call %.1f MiB\n", "",
                  r.mem->rss_inputs_mib, r.mem->hwm_mib, r.mem->extra_mib);
+  if (r.adjacent_peak && *r.adjacent_peak > 0)
+    std::fprintf(g_out, "%-8s   peak measured next to this row: %.1f; this row %.1f%% of it\n", "", *r.adjacent_peak,
+                 100.0 * (r.kind == "decode" ? r.gbps : r.gflops) / *r.adjacent_peak);
   if (r.kv_read_gbps && *r.kv_read_gbps > 0)
     std::fprintf(g_out, "%-8s   K and V read as two streams of this size: %.1f GB/s; this row %.1f%% of it\n", "",
                  *r.kv_read_gbps, 100.0 * r.gbps / *r.kv_read_gbps);
@@ -313,8 +333,9 @@ std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Pe
                   p.bf16_gflops, p.read_gbps, p.read_mib);
     md += buf;
   }
-  md += "\n| kind | B,Hq,Hkv,Sq,Sk,D | causal | dtype | kernel | thr | seconds | rate | baseline s | x baseline | % of peak |\n";
-  md += "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|\n";
+  md += "\n| kind | B,Hq,Hkv,Sq,Sk,D | causal | dtype | kernel | thr | seconds | rate | baseline s | x baseline | % of peak "
+        "| % of adjacent peak |\n";
+  md += "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n";
   for (const Row& r : rows) {
     const BenchShape& s = r.shape;
     char shape[96], rate[48], base[32] = "-", ratio[32] = "-";
@@ -343,9 +364,13 @@ std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Pe
                     100.0 * r.gbps / *r.kv_read_gbps);
       kind += buf;
     }
-    std::snprintf(buf, sizeof buf, "| %s | %s | %s | %s | %s | %d | %.4g | %s | %s | %s | %.1f%% of %.0f |\n",
+    char adj[48] = "-";
+    if (r.adjacent_peak && *r.adjacent_peak > 0)
+      std::snprintf(adj, sizeof adj, "%.1f%% of %.0f", 100.0 * (r.kind == "decode" ? r.gbps : r.gflops) / *r.adjacent_peak,
+                    *r.adjacent_peak);
+    std::snprintf(buf, sizeof buf, "| %s | %s | %s | %s | %s | %d | %.4g | %s | %s | %s | %.1f%% of %.0f | %s |\n",
                   kind.c_str(), shape, r.causal ? "yes" : "no", dtype_short(r.dtype).c_str(), r.kernel.c_str(),
-                  r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, r.peak_value);
+                  r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, r.peak_value, adj);
     md += buf;
   }
   return md;
@@ -535,6 +560,9 @@ void add_bench(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--min-time", o->min_time,
                   "seconds of timed runs per shape at least: short calls run more than --repeats times (default 0.5)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--adjacent-seconds", o->adjacent_seconds,
+                  "seconds of each peak measurement just before and after a row's timed runs (default 0.1; 0: none)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--budget", o->budget, "seconds of timed runs per shape at most (default 30; at least one run)")
       ->check(CLI::PositiveNumber);

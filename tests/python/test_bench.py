@@ -29,7 +29,7 @@ def main() -> int:
         env["OPENBLAS_L2_SIZE"] = "512"
         env.pop("QKV_BENCH_BLAS_ENV", None)
         cmd = [qkv, "bench", "--quick", "--seqlens", "64", "--decode-seqlens", "256", "--repeats", "1",
-               "--min-time", "0", "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
+               "--min-time", "0", "--adjacent-seconds", "0.02", "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
                "--memory-seqlen", "128", "--json", path, "--markdown", path + ".md"]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         check(r.returncode == 0, f"exit status {r.returncode}, stderr: {r.stderr}")
@@ -77,6 +77,11 @@ def main() -> int:
                 kv = 2 * s["B"] * s["Hkv"] * s["Sk"] * s["D"] * esize
                 check(abs(row["gbps"] * row["seconds"] * 1e9 - kv) <= 1e-6 * kv, f"byte count {row}")
                 check(row["peak_fraction"] > 0, "peak fraction")
+                # The same peak measured next to the row, and the row's share of it.
+                rate = row["gbps"] if row["kind"] == "decode" else row["gflops"]
+                check(row.get("adjacent_peak_value", 0) > 0, f"no adjacent peak {row}")
+                check(abs(row.get("adjacent_peak_fraction", 0) * row.get("adjacent_peak_value", 0) - rate) <= 1e-9 * rate,
+                      f"adjacent_peak_fraction {row}")
             if row["kind"] == "decode":
                 # The two-stream (K and V) read reference of the same size, and this row's share of it.
                 check(row.get("kv_read_gbps", 0) > 0, f"decode row without kv_read_gbps {row}")
