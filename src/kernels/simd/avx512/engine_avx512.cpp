@@ -5,11 +5,12 @@
 // Tile traits: 64 query rows x 64 keys; QK^T microkernel MR keys x NQV vectors of 16 queries with
 // MR*NQV <= 24 zmm accumulators (6 x 4 for a full block); PV microkernel 6 rows x 4 vectors of Dv.
 //
-// Vector exp (fp32): x clamped below at -110 (NaN kept), n = round(x log2 e),
+// Vector exp (fp32): x clamped above at 88.8 (NaN kept), n = round(x log2 e),
 // r = x - n ln2 (ln2 split in two for exactness), e^r by the Cephes expf polynomial
 //   1 + r (1 + r (0.5 + r (1/6 + r (1/24 + r (1/120 + r (1/720 + r/5040))))))  (minimax-fitted
-//   coefficients below), scaled by 2^n with vscalefps, which rounds a subnormal result once and
-//   overflows to inf past 88.72: no upper clamp, no select. x <= -104 (incl. -inf) gives exactly 0.
+//   coefficients below), scaled by 2^n with vscalefps (inf past 88.72); x < -87.34 (incl. -inf)
+//   gives exactly 0 through the zero-masking of vscalefps, so no subnormal weight ever reaches
+//   the PV product (subnormal operands are slow on some CPUs).
 // Measured max relative error against float64 exp over every float in [-87.3, 0] (the arguments
 // of the online softmax, which are <= 0): 7.5e-8; see tests/test_flash.cpp (Flash.VectorExp)
 // and docs/accuracy.md.
@@ -89,8 +90,10 @@ struct Ops {
     return _mm512_mask_blend_ps(k, m, _mm512_setzero_ps());
   }
   static V exp(V x) {
-    // max returns its second operand when either is NaN: NaN passes through.
-    const V t = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
+    // Lanes below the normal range (not NaN: unordered compares true) come out as 0.
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365f), _CMP_NLT_UQ);
+    // min returns its second operand when either is NaN: NaN passes through.
+    const V t = _mm512_min_ps(_mm512_set1_ps(88.8f), x);
     const V n = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     V r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), t);
@@ -104,8 +107,7 @@ struct Ops {
     // 1 + r (1 + r q(r)): each fma rounds once; the last is the only rounding of a term of size 1.
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
     y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
-    // x = -110 gives n = -159: y 2^n rounds to 0.
-    return _mm512_scalef_ps(y, n);
+    return _mm512_maskz_scalef_ps(keep, y, n);
   }
   static V range_select(V x, V lo, V hi, V g) {
     const __mmask16 k = _mm512_cmp_ps_mask(lo, g, _CMP_LE_OQ) & _mm512_cmp_ps_mask(g, hi, _CMP_LT_OQ);
