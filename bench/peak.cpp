@@ -146,7 +146,7 @@ double measure_kv_read_bandwidth(int threads, double bytes, double seconds) {
   return measure_streams(threads, bytes, seconds, 2);
 }
 
-Peaks measure_compute_peaks(int threads, double seconds) {
+Peaks measure_compute_peaks(int threads, double seconds, bool fma, bool bf16) {
   Peaks p;
   p.threads = threads < 1 ? 1 : threads;
   const auto& cpu = qkv::detail::cpu_features();
@@ -154,17 +154,17 @@ Peaks measure_compute_peaks(int threads, double seconds) {
 #if defined(QKV_BENCH_X86)
   if (cpu.avx512()) {
     p.fma_isa = "avx512";
-    p.fma_gflops = loop_gflops(p.threads, 32.0 * detail::kChains, seconds, detail::fma_loop_avx512);
-    if (cpu.avx512bf16)
+    if (fma) p.fma_gflops = loop_gflops(p.threads, 32.0 * detail::kChains, seconds, detail::fma_loop_avx512);
+    if (cpu.avx512bf16 && bf16)
       p.bf16_gflops = loop_gflops(p.threads, 64.0 * detail::kChains, seconds, detail::bf16_loop_avx512);
   } else if (cpu.avx2_fma()) {
     p.fma_isa = "avx2";
-    p.fma_gflops = loop_gflops(p.threads, 16.0 * detail::kChainsAvx2, seconds, detail::fma_loop_avx2);
+    if (fma) p.fma_gflops = loop_gflops(p.threads, 16.0 * detail::kChainsAvx2, seconds, detail::fma_loop_avx2);
   }
 #endif
   if (p.fma_isa.empty()) {
     p.fma_isa = "scalar";
-    p.fma_gflops = loop_gflops(p.threads, 16.0, seconds, fma_loop_scalar);
+    if (fma) p.fma_gflops = loop_gflops(p.threads, 16.0, seconds, fma_loop_scalar);
   }
   return p;
 }

@@ -74,8 +74,9 @@ struct Peaks {
 };
 /// Runs the three microbenchmarks with `threads` OpenMP threads, each for about `seconds`.
 Peaks measure_peaks(int threads, double seconds = 0.25, double read_mib = 512);
-/// The two compute microbenchmarks only (fma_gflops, bf16_gflops, fma_isa; read_gbps stays 0).
-Peaks measure_compute_peaks(int threads, double seconds = 0.25);
+/// The compute microbenchmarks only: fma_gflops (unless !fma) and bf16_gflops (unless !bf16, or
+/// no AVX512_BF16), fma_isa; the figures not measured and read_gbps stay 0.
+Peaks measure_compute_peaks(int threads, double seconds = 0.25, bool fma = true, bool bf16 = true);
 /// Read bandwidth in GB/s of `threads` threads streaming through a buffer of about `bytes`
 /// (split evenly, first touched by its reader), best pass of those in about `seconds`. On this
 /// kind of machine the figure depends strongly on the size (caches, and in virtual machines the
@@ -89,10 +90,10 @@ double measure_kv_read_bandwidth(int threads, double bytes, double seconds = 0.2
 // ---- timing ------------------------------------------------------------------------------------
 
 double median(std::vector<double> v);
-/// Calls fn once to warm up, then `repeats` times, or more when the warm-up run says that
-/// `repeats` runs would take less than `min_s` seconds (as many as fill min_s: a median of many
-/// short runs is not moved by a short slow phase of a shared machine), fewer when they would take
-/// more than `budget_s` (at least 1). Returns every timed duration in seconds.
+/// Calls fn once to warm up, then `repeats` times (fewer when the warm-up run says they would take
+/// more than `budget_s`, at least 1), then again while the timed runs add up to less than `min_s`
+/// seconds and to less than `budget_s` (a median of many short runs is not moved by a short slow
+/// phase of a shared machine). Returns every timed duration in seconds.
 std::vector<double> time_runs(const std::function<void()>& fn, int repeats, double budget_s, double min_s = 0);
 
 // ---- memory ------------------------------------------------------------------------------------

@@ -98,11 +98,16 @@ std::vector<double> time_runs(const std::function<void()>& fn, int repeats, doub
   };
   const double warm = once();
   int n = std::max(1, repeats);
-  if (warm * n < min_s) n = static_cast<int>(std::min(std::ceil(min_s / std::max(warm, 1e-9)), 1e6));
   if (warm * n > budget_s) n = std::max(1, static_cast<int>(budget_s / std::max(warm, 1e-9)));
+  // At least n runs; then more while the timed runs add up to less than min_s (the warm-up call,
+  // which starts threads and touches fresh memory, says little about the length of the others),
+  // never past the budget, at most a million.
   std::vector<double> t;
-  t.reserve(static_cast<std::size_t>(n));
-  for (int r = 0; r < n; ++r) t.push_back(once());
+  double total = 0;
+  while (static_cast<int>(t.size()) < n || (total < min_s && total < budget_s && t.size() < 1000000)) {
+    t.push_back(once());
+    total += t.back();
+  }
   return t;
 }
 

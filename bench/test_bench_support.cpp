@@ -102,6 +102,15 @@ TEST(Timing, MinimumTimeAddsRuns) {
   EXPECT_EQ(calls, static_cast<int>(t.size()) + 1);
   calls = 0;
   EXPECT_EQ(qkv::bench::time_runs(slow, 2, 0.001, 0.05).size(), 1u);  // budget wins: one run
+  // A slow first call (thread start, fresh memory) does not cut the timed runs short of min_s.
+  calls = 0;
+  const auto first_slow = [&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(++calls == 1 ? 40 : 1));
+  };
+  const auto u = qkv::bench::time_runs(first_slow, 2, 10.0, 0.05);
+  double total = 0;
+  for (double x : u) total += x;
+  EXPECT_GE(total, 0.05);
 }
 
 }  // namespace

@@ -36,7 +36,7 @@ struct BenchOptions {
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
-  double budget = 30.0, min_time = 0.5, adjacent_seconds = 0.1, peak_seconds = 0.25, read_mib = 512;
+  double budget = 30.0, min_time = -1, adjacent_seconds = 0.1, peak_seconds = 0.25, read_mib = 512;
 };
 
 // One measured line of the report.
@@ -162,7 +162,7 @@ public:
   // Times qkv on `dtype` inputs (f32_inputs itself when dtype is float32) and, if with_baseline,
   // the baseline on f32_inputs.
   Row measure(const std::string& kind, const BenchShape& s, bool causal, DType dtype, int threads,
-              const bench::Inputs* f32_inputs, bool with_baseline = true) {
+              const bench::Inputs* f32_inputs, bool with_baseline = true, bool with_adjacent = true) {
     Row r;
     r.kind = kind;
     r.shape = s;
@@ -178,14 +178,20 @@ public:
     r.kernel = bench::dispatched_kernel(in, p);
     // The row's peak (compute, or the read bandwidth of a buffer of its K+V size for decode),
     // measured again right before and right after the timed runs.
+    // Only the peak the row is judged against, by the same microbenchmark (decode: the same
+    // buffer size, whole MiB, as PeakTable::read_gbps).
+    const bool bf16_peak = dtype == DType::bf16 && peaks_.at(threads).bf16_gflops > 0;
     const auto adjacent = [&] {
-      if (kind == "decode") return bench::measure_read_bandwidth(threads, bench::kv_bytes(s, dtype), o_.adjacent_seconds);
-      const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds);
-      return dtype == DType::bf16 && c.bf16_gflops > 0 ? c.bf16_gflops : c.fma_gflops;
+      if (kind == "decode")
+        return bench::measure_read_bandwidth(threads, std::ceil(bench::kv_bytes(s, dtype) / 1048576.0) * 1048576.0,
+                                             o_.adjacent_seconds);
+      const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds, !bf16_peak, bf16_peak);
+      return bf16_peak ? c.bf16_gflops : c.fma_gflops;
     };
-    const double before = o_.adjacent_seconds > 0 ? adjacent() : 0.0;
+    const bool adj = with_adjacent && o_.adjacent_seconds > 0;
+    const double before = adj ? adjacent() : 0.0;
     const auto t = bench::time_runs([&] { attention(in.q, in.k, in.v, in.out, p); }, o_.repeats, o_.budget, o_.min_time);
-    if (o_.adjacent_seconds > 0) r.adjacent_peak = std::max(before, adjacent());
+    if (adj) r.adjacent_peak = std::max(before, adjacent());
     r.repeats = static_cast<int>(t.size());
     r.seconds = bench::median(t);
     r.gflops = bench::forward_flops(s, causal) / r.seconds * 1e-9;
@@ -411,7 +417,9 @@ void run_bench(BenchOptions o) {
     if (o.seqlens.empty()) o.seqlens = {256};
     if (o.decode_seqlens.empty()) o.decode_seqlens = {4096};
     if (o.repeats == 0) o.repeats = 3;
+    if (o.min_time < 0) o.min_time = 0;
   }
+  if (o.min_time < 0) o.min_time = 0.5;
   if (o.head_dims.empty()) o.head_dims = {64, 128};
   if (o.seqlens.empty()) o.seqlens = {256, 1024, 4096, 16384};
   if (o.decode_seqlens.empty()) o.decode_seqlens = {4096, 32768};
@@ -480,7 +488,7 @@ void run_bench(BenchOptions o) {
           if (skip_reference(o, s, c, d, threads)) continue;
           const bench::Inputs in = bench::make_inputs(s, d);
           const bench::Inputs* f32 = d == DType::f32 ? &in : nullptr;
-          const Row one = run.measure("scaling", s, c, d, 1, f32, false);
+          const Row one = run.measure("scaling", s, c, d, 1, f32, false, false);
           Row all = run.measure("scaling", s, c, d, threads, f32, false);
           all.seconds_1thread = one.seconds;
           emit(std::move(all));
@@ -544,7 +552,8 @@ void add_bench(CLI::App& app) {
   auto o = std::make_shared<BenchOptions>();
   auto* cmd = app.add_subcommand(
       "bench", "Measure qkv::attention() against a naive BLAS baseline and the machine's peaks");
-  cmd->add_flag("--quick", o->quick, "small grid (D=64, S=256, decode Sk=4096, 3 repeats) unless overridden");
+  cmd->add_flag("--quick", o->quick,
+                "small grid (D=64, S=256, decode Sk=4096, 3 repeats, --min-time 0) unless overridden");
   cmd->add_option("--shapes", o->shapes, "which shapes")->check(CLI::IsMember({"all", "forward", "decode"}));
   cmd->add_option("--dtype", o->dtype, "storage dtype of q, k, v")
       ->check(CLI::IsMember({"all", "f32", "float32", "bf16", "bfloat16", "f16", "float16"}));
@@ -556,16 +565,30 @@ void add_bench(CLI::App& app) {
       ->delimiter(',')->check(CLI::PositiveNumber);
   cmd->add_option("--decode-seqlens", o->decode_seqlens, "decode Sk (default 4096,32768)")
       ->delimiter(',')->check(CLI::PositiveNumber);
-  cmd->add_option("--repeats", o->repeats, "timed runs per shape after one warm-up; the median is shown (default 5)")
+  // Seconds: finite (NaN and inf pass CLI11's number checks), and >= 0 or > 0.
+  const auto seconds = [](bool zero_ok) {
+    return CLI::Validator(
+        [zero_ok](std::string& s) -> std::string {
+          double v = 0;
+          try { v = std::stod(s); } catch (...) { return "not a number: " + s; }
+          if (!std::isfinite(v) || v < 0 || (!zero_ok && v == 0))
+            return std::string("expected a finite number of seconds ") + (zero_ok ? ">= 0" : "> 0") + ", got " + s;
+          return "";
+        },
+        zero_ok ? "SECONDS>=0" : "SECONDS>0");
+  };
+  cmd->add_option("--repeats", o->repeats,
+                  "timed runs per shape after one warm-up, at least (more to fill --min-time); the median is shown "
+                  "(default 5)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--min-time", o->min_time,
                   "seconds of timed runs per shape at least: short calls run more than --repeats times (default 0.5)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(seconds(true));
   cmd->add_option("--adjacent-seconds", o->adjacent_seconds,
                   "seconds of each peak measurement just before and after a row's timed runs (default 0.1; 0: none)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(seconds(true));
   cmd->add_option("--budget", o->budget, "seconds of timed runs per shape at most (default 30; at least one run)")
-      ->check(CLI::PositiveNumber);
+      ->check(seconds(false));
   cmd->add_option("--threads", o->threads, "threads for qkv and the baseline (0 = OpenMP default)")
       ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--scaling", o->scaling, "also time the Sq=Sk=--scaling-seqlen shapes on 1 thread vs all threads");
