@@ -58,6 +58,14 @@ struct Row {
   // The same peak (peak_name) measured just before and just after this row's timed runs, the
   // higher of the two: the machine's speed in the phase the row ran in.
   std::optional<double> adjacent_peak;
+
+  // The figure the row is judged by: GB/s for decode, GFLOP/s otherwise.
+  double rate() const { return kind == "decode" ? gbps : gflops; }
+  // rate() / adjacent_peak; nullopt when not measured.
+  std::optional<double> adjacent_fraction() const {
+    if (!adjacent_peak || *adjacent_peak <= 0) return std::nullopt;
+    return rate() / *adjacent_peak;
+  }
 };
 
 // The machine's peaks, measured once per thread count used.
@@ -73,7 +81,7 @@ public:
   // same bytes as two buffers read in alternating tiles (bench::measure_kv_read_bandwidth).
   double read_gbps(int threads, double bytes, bool kv = false) {
     auto& table = kv ? kv_reads_ : reads_;
-    const auto key = std::make_pair(threads, static_cast<std::int64_t>(std::ceil(bytes / 1048576.0)));
+    const auto key = std::make_pair(threads, whole_mib(bytes));
     auto it = table.find(key);
     if (it == table.end()) {
       const double b = double(key.second) * 1048576.0;
@@ -82,6 +90,8 @@ public:
     }
     return it->second;
   }
+  // A read figure's buffer size: `bytes` rounded up to whole MiB, in MiB.
+  static std::int64_t whole_mib(double bytes) { return static_cast<std::int64_t>(std::ceil(bytes / 1048576.0)); }
   const std::map<int, bench::Peaks>& all() const { return peaks_; }
   const std::map<std::pair<int, std::int64_t>, double>& reads() const { return reads_; }
   const std::map<std::pair<int, std::int64_t>, double>& kv_reads() const { return kv_reads_; }
@@ -176,14 +186,13 @@ public:
     p.num_threads = threads;
     if (o_.reference) p.kernel = KernelKind::reference;
     r.kernel = bench::dispatched_kernel(in, p);
-    // The row's peak (compute, or the read bandwidth of a buffer of its K+V size for decode),
-    // measured again right before and right after the timed runs.
-    // Only the peak the row is judged against, by the same microbenchmark (decode: the same
-    // buffer size, whole MiB, as PeakTable::read_gbps).
+    // The peak the row is judged against (compute, or for decode the read bandwidth of a buffer of
+    // its K+V size, whole MiB as in PeakTable::read_gbps), measured again by the same
+    // microbenchmark right before and right after the timed runs.
     const bool bf16_peak = dtype == DType::bf16 && peaks_.at(threads).bf16_gflops > 0;
     const auto adjacent = [&] {
       if (kind == "decode")
-        return bench::measure_read_bandwidth(threads, std::ceil(bench::kv_bytes(s, dtype) / 1048576.0) * 1048576.0,
+        return bench::measure_read_bandwidth(threads, double(PeakTable::whole_mib(bench::kv_bytes(s, dtype))) * 1048576.0,
                                              o_.adjacent_seconds);
       const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds, !bf16_peak, bf16_peak);
       return bf16_peak ? c.bf16_gflops : c.fma_gflops;
@@ -208,8 +217,7 @@ public:
       r.peak_name = "fma_gflops";
       r.peak_value = pk.fma_gflops;
     }
-    const double rate = kind == "decode" ? r.gbps : r.gflops;
-    r.peak_fraction = r.peak_value > 0 ? rate / r.peak_value : 0;
+    r.peak_fraction = r.peak_value > 0 ? r.rate() / r.peak_value : 0;
     if (f32_inputs && with_baseline) {
       if (auto b = baseline(s, causal, threads, *f32_inputs)) {
         r.baseline_seconds = b->seconds;
@@ -263,8 +271,7 @@ json row_json(const Row& r) {
   }
   if (r.adjacent_peak) {
     j["adjacent_peak_value"] = *r.adjacent_peak;
-    const double rate = r.kind == "decode" ? r.gbps : r.gflops;
-    j["adjacent_peak_fraction"] = *r.adjacent_peak > 0 ? rate / *r.adjacent_peak : 0.0;
+    j["adjacent_peak_fraction"] = r.adjacent_fraction().value_or(0.0);
   }
   if (r.kv_read_gbps) {
     j["kv_read_gbps"] = *r.kv_read_gbps;
@@ -316,9 +323,9 @@ void print_row(const Row& r) {
   if (r.mem)
     std::fprintf(g_out, "%-8s   resident after inputs %.1f MiB, peak %.1f MiB, added by the call %.1f MiB\n", "",
                  r.mem->rss_inputs_mib, r.mem->hwm_mib, r.mem->extra_mib);
-  if (r.adjacent_peak && *r.adjacent_peak > 0)
+  if (const auto f = r.adjacent_fraction())
     std::fprintf(g_out, "%-8s   peak measured next to this row: %.1f; this row %.1f%% of it\n", "", *r.adjacent_peak,
-                 100.0 * (r.kind == "decode" ? r.gbps : r.gflops) / *r.adjacent_peak);
+                 100.0 * *f);
   if (r.kv_read_gbps && *r.kv_read_gbps > 0)
     std::fprintf(g_out, "%-8s   K and V read as two streams of this size: %.1f GB/s; this row %.1f%% of it\n", "",
                  *r.kv_read_gbps, 100.0 * r.gbps / *r.kv_read_gbps);
@@ -371,9 +378,7 @@ std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Pe
       kind += buf;
     }
     char adj[48] = "-";
-    if (r.adjacent_peak && *r.adjacent_peak > 0)
-      std::snprintf(adj, sizeof adj, "%.1f%% of %.0f", 100.0 * (r.kind == "decode" ? r.gbps : r.gflops) / *r.adjacent_peak,
-                    *r.adjacent_peak);
+    if (const auto f = r.adjacent_fraction()) std::snprintf(adj, sizeof adj, "%.1f%% of %.0f", 100.0 * *f, *r.adjacent_peak);
     std::snprintf(buf, sizeof buf, "| %s | %s | %s | %s | %s | %d | %.4g | %s | %s | %s | %.1f%% of %.0f | %s |\n",
                   kind.c_str(), shape, r.causal ? "yes" : "no", dtype_short(r.dtype).c_str(), r.kernel.c_str(),
                   r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, r.peak_value, adj);

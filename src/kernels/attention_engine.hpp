@@ -366,13 +366,9 @@ struct Engine {
     for (int c = 0; c < nqv; ++c) {
       float* sc = s + c * W;
       // The scaled scores are not stored: the exp pass scales them again (the same products),
-      // which is cheaper than a store and a reload.
+      // which is cheaper than a store and a reload. (mul = 1 multiplies exactly.)
       V mx = Ops::set1(-std::numeric_limits<float>::infinity());
-      if (mul != 1.0f) {
-        for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::mul(Ops::load(sc + j * sp), vmul));
-      } else {
-        for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::load(sc + j * sp));
-      }
+      for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::mul(Ops::load(sc + j * sp), vmul));
       const V mo = Ops::load(m + c * W);
       const V mn = Ops::max(mo, mx);
       const V ms = Ops::safe_max(mn);  // -inf (nothing admitted yet) -> 0, so exp(-inf - 0) = 0
