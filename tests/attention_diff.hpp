@@ -416,7 +416,10 @@ inline void run_random_grid(int n, std::uint64_t seed, double budget, bool decod
     worst_dt[di][0] = std::max(worst_dt[di][0], s.err);
     worst_dt[di][1] = std::max(worst_dt[di][1], s.naive_err);
     if (di == 0 && s.naive_err > 0) worst_ratio = std::max(worst_ratio, (s.err - 1e-6) / s.naive_err);
-    if (di == 0 && s.err > 2 * s.naive_err + 1e-6) ++over2;
+    if (di == 0 && s.err > 2 * s.naive_err + 1e-6) {
+      ++over2;
+      std::printf("above 2 x naive + 1e-6: error %.3g, naive %.3g: %s\n", s.err, s.naive_err, c.str().c_str());
+    }
     worst.err = std::max(worst.err, s.err);
     worst.naive_err = std::max(worst.naive_err, s.naive_err);
     if (::testing::Test::HasFailure()) {

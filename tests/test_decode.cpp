@@ -49,3 +49,25 @@ TEST(Decode, DISABLED_Soak) {
   // Bound 4 x naive (see Flash.DISABLED_Soak), with the count of configurations above 2.
   run_random_grid(n, 13579, 8e6, true, 4.0);
 }
+
+// Groups of 4 query rows per KV head score W / 4 keys at a time with one reduction tree for all
+// their scores; the rest of a tile (its last kt mod W / 4 keys) and the rows past the last group
+// of 4 go one key at a time. Here: 4, 5, 8 and 12 rows per KV head (GQA 4 with Sq = 1, GQA 5,
+// GQA 4 with Sq = 2 and 3), tiles ending 1-3 keys past a group, D of 1, 3 and 8 vectors, every
+// dtype, padded strides, per-batch key lengths and NaN in a key only some rows admit.
+TEST(Decode, GroupedScores) {
+  struct G { std::int64_t hq, hkv, sq, sk, d; DType dt; };
+  const G cases[] = {
+      {8, 2, 1, 4099, 128, DType::f32}, {8, 2, 1, 4097, 48, DType::bf16}, {8, 2, 1, 4098, 16, DType::f16},
+      {5, 1, 1, 131, 128, DType::f32},  {8, 2, 2, 67, 48, DType::f32},    {8, 2, 3, 4101, 128, DType::bf16},
+  };
+  std::uint64_t seed = 500;
+  for (const G& g : cases)
+    for (bool extras : {false, true}) {
+      Config c;
+      c.B = 2; c.Hq = g.hq; c.Hkv = g.hkv; c.Sq = g.sq; c.Sk = g.sk; c.D = c.Dv = g.d; c.dtype = g.dt;
+      c.seed = ++seed;
+      if (extras) { c.kv_lens = true; c.partial_nan = true; c.layout = 1; }
+      run_case(c, KernelKind::decode);
+    }
+}

@@ -97,6 +97,22 @@ struct Ops {
     const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
   }
+  // Lane i of the result = the sum of the lanes of a[i], for 8 vectors at once (two levels of
+  // horizontal adds, then the two 128-bit lanes).
+  [[gnu::always_inline]] static V hsum_w(const V* a) {
+    const V h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+    const V h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+    const V lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+  // Lanes 2r, 2r + 1 of x to dst + r * ld, r < 4.
+  static void store_quarters(float* dst, std::int64_t ld, V x) {
+    const __m128 lo = _mm256_castps256_ps128(x), hi = _mm256_extractf128_ps(x, 1);
+    _mm_storel_pi(reinterpret_cast<__m64*>(dst), lo);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(dst + ld), lo);
+    _mm_storel_pi(reinterpret_cast<__m64*>(dst + 2 * ld), hi);
+    _mm_storeh_pi(reinterpret_cast<__m64*>(dst + 3 * ld), hi);
+  }
   // 8 bf16 -> fp32: widen and shift into the high half (exact).
   static V load_bf16(const std::uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(

@@ -114,6 +114,29 @@ struct Ops {
     return _mm512_mask_blend_ps(k, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), x);
   }
   static float hsum(V x) { return _mm512_reduce_add_ps(x); }
+  // Lane i of the result = the sum of the lanes of a[i], for 16 vectors at once: a transpose-and-
+  // add tree (unpack ps, unpack pd, then 128-bit lanes twice), 45 operations for 16 sums.
+  [[gnu::always_inline]] static V hsum_w(const V* a) {
+    V p[8], q[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i)
+      p[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512d x = _mm512_castps_pd(p[2 * i]), y = _mm512_castps_pd(p[2 * i + 1]);
+      q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const V r0 = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], 0x88), _mm512_shuffle_f32x4(q[0], q[1], 0xDD));
+    const V r1 = _mm512_add_ps(_mm512_shuffle_f32x4(q[2], q[3], 0x88), _mm512_shuffle_f32x4(q[2], q[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r0, r1, 0x88), _mm512_shuffle_f32x4(r0, r1, 0xDD));
+  }
+  // Lanes 4r..4r+3 of x to dst + r * ld, r < 4.
+  static void store_quarters(float* dst, std::int64_t ld, V x) {
+    _mm_storeu_ps(dst, _mm512_castps512_ps128(x));
+    _mm_storeu_ps(dst + ld, _mm512_extractf32x4_ps(x, 1));
+    _mm_storeu_ps(dst + 2 * ld, _mm512_extractf32x4_ps(x, 2));
+    _mm_storeu_ps(dst + 3 * ld, _mm512_extractf32x4_ps(x, 3));
+  }
   // 16 bf16 -> fp32: widen and shift into the high half (exact).
   static V load_bf16(const std::uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(
