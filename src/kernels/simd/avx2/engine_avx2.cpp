@@ -97,13 +97,19 @@ struct Ops {
     const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
   }
-  // Lane i of the result = the sum of the lanes of a[i], for 8 vectors at once (two levels of
-  // horizontal adds, then the two 128-bit lanes).
+  // Lane i of the result = hsum(a[i]) bit for bit, for 8 vectors at once: the same pairs as
+  // hsum (i with i + 4, then i + 2, then i + 1), 21 operations for 8 sums.
   [[gnu::always_inline]] static V hsum_w(const V* a) {
-    const V h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
-    const V h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
-    const V lo = _mm256_hadd_ps(h01, h23), hi = _mm256_hadd_ps(h45, h67);
-    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+    // u[i]: a[i] in the low 128-bit half, a[4 + i] in the high one, so that lane i ends up a[i].
+    V u[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)  // lo + hi 128-bit halves of two slots
+      u[i] = _mm256_add_ps(_mm256_permute2f128_ps(a[i], a[4 + i], 0x20), _mm256_permute2f128_ps(a[i], a[4 + i], 0x31));
+    const __m256d u0 = _mm256_castps_pd(u[0]), u1 = _mm256_castps_pd(u[1]);
+    const __m256d u2 = _mm256_castps_pd(u[2]), u3 = _mm256_castps_pd(u[3]);
+    const V w01 = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u0, u1)), _mm256_castpd_ps(_mm256_unpackhi_pd(u0, u1)));
+    const V w23 = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u2, u3)), _mm256_castpd_ps(_mm256_unpackhi_pd(u2, u3)));
+    return _mm256_hadd_ps(w01, w23);
   }
   // Lanes 2r, 2r + 1 of x to dst + r * ld, r < 4.
   static void store_quarters(float* dst, std::int64_t ld, V x) {
