@@ -53,13 +53,15 @@ TEST(Decode, DISABLED_Soak) {
 // Groups of 4 query rows per KV head score W / 4 keys at a time with one reduction tree for all
 // their scores; the rest of a tile (its last kt mod W / 4 keys) and the rows past the last group
 // of 4 go one key at a time. Here: 4, 5, 8 and 12 rows per KV head (GQA 4 with Sq = 1, GQA 5,
-// GQA 4 with Sq = 2 and 3), tiles ending 1-3 keys past a group, D of 1, 3 and 8 vectors, every
-// dtype, padded strides, per-batch key lengths and NaN in a key only some rows admit.
+// GQA 4 with Sq = 2 and 3), tiles ending 1-3 keys past a group, D = 8, 16, 48, 128 (the fast path
+// takes D = 16 and up on AVX-512: 1, 3, 8 vectors; D = 8 and up on AVX2: 1, 2, 6, 16 vectors),
+// every dtype, padded strides, per-batch key lengths and NaN in a key only some rows admit.
 TEST(Decode, GroupedScores) {
   struct G { std::int64_t hq, hkv, sq, sk, d; DType dt; };
   const G cases[] = {
       {8, 2, 1, 4099, 128, DType::f32}, {8, 2, 1, 4097, 48, DType::bf16}, {8, 2, 1, 4098, 16, DType::f16},
       {5, 1, 1, 131, 128, DType::f32},  {8, 2, 2, 67, 48, DType::f32},    {8, 2, 3, 4101, 128, DType::bf16},
+      {8, 2, 1, 4099, 8, DType::f32},   {8, 1, 1, 66, 8, DType::f16},
   };
   std::uint64_t seed = 500;
   for (const G& g : cases)
@@ -72,9 +74,12 @@ TEST(Decode, GroupedScores) {
     }
 }
 
-// Grouping is only a schedule: GQA decode (4 and 8 query rows per KV head, scored W / 4 keys at
-// a time) gives the same bits as MHA decode (one row per KV head, scored one key at a time) on
-// the KV heads repeated, on every ISA level, for every storage dtype, with tile tails.
+// Grouping is only a schedule on the decode fast path (no explicit mask, no softcap, D and Dv
+// multiples of the vector width, at most 16 rows per KV head; 8 on the scalar level): GQA decode
+// (4 and 8 query rows per KV head, scored W / 4 keys at a time) gives the same bits as MHA decode
+// (one row per KV head, scored one key at a time) on the KV heads repeated, on every ISA level,
+// for every storage dtype, with tile tails. (Outside the fast path the row blocks differ and so
+// can the last bits.)
 TEST(Decode, GqaEqualsRepeatedKvHeads) {
   struct G { std::int64_t hkv, sk, d; };
   for (const G g : {G{2, 4099, 128}, G{1, 4101, 48}, G{2, 70, 16}})

@@ -10,12 +10,13 @@
 //
 // Fast path (attention_engine.hpp, process_fast): when the rows of a group are few (G x Sq <=
 // min(kBq, 16)), D and Dv are multiples of the vector width, and there is no explicit mask and no
-// softcap, a chunk is processed without the padded row block: scores one key at a time for up to
-// 4 rows (D-vectorised FMAs, one horizontal sum per score), vector exp over the tile's scores, PV
-// with the output rows in registers; with one row (MHA decode) the scores of the next tile and the
-// PV product of the current one go in one pass, so K and V stream side by side; bf16/fp16 K and V
-// are widened in registers (exact), so bf16
-// decode computes in fp32 throughout (no bf16 rounding of P as in the vdpbf16ps block path).
+// softcap, a chunk is processed without the padded row block: scores by D-vectorised FMAs, one
+// accumulator per (row, key), and for groups of 4 rows W / 4 keys at a time whose W sums are
+// reduced by one tree pairing the lanes as a single horizontal sum does (the same bits); vector
+// exp over the tile's scores, PV with the output rows in registers; with one row (MHA decode) the
+// scores of the next tile and the PV product of the current one go in one pass, so K and V stream
+// side by side; bf16/fp16 K and V are widened in registers (exact), so bf16 decode computes in
+// fp32 throughout (no bf16 rounding of P as in the vdpbf16ps block path).
 // Other cases (masks, softcap, many rows, odd D) use the tile engine unchanged.
 //
 // Threading: one work item per (batch, KV head, row block, chunk), dynamic schedule. The chunk

@@ -98,7 +98,7 @@ struct Ops {
     return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
   }
   // Lane i of the result = hsum(a[i]) bit for bit, for 8 vectors at once: the same pairs as
-  // hsum (i with i + 4, then i + 2, then i + 1), 21 operations for 8 sums.
+  // hsum (i with i + 4, then i + 2, then i + 1), 19 instructions for 8 sums.
   [[gnu::always_inline]] static V hsum_w(const V* a) {
     // u[i]: a[i] in the low 128-bit half, a[4 + i] in the high one, so that lane i ends up a[i].
     V u[4];
