@@ -669,9 +669,10 @@ struct Engine {
   // keys, with the rows as plain arrays instead of the padded kBq-row block of process():
   //   scores: D-vectorised FMAs into one accumulator per (row, key). Groups of kQkRows = 4 rows
   //           take W / 4 keys at a time (4 on AVX-512), and the W accumulators are reduced
-  //           together by one transpose-and-add tree (Ops::hsum_w: 45 operations for 16 scores
-  //           instead of 16 horizontal sums of 8 each). Fewer rows, and keys past the last full
-  //           group, take one key at a time with one horizontal sum per score (Ops::hsum);
+  //           together by one transpose-and-add tree that pairs the lanes as Ops::hsum does, so
+  //           the same bits (Ops::hsum_w; on AVX-512 45 operations for 16 scores instead of 16
+  //           horizontal sums of 8 each). Fewer rows, and keys past the last full group, take one
+  //           key at a time with one horizontal sum per score (Ops::hsum);
   //   softmax: per row, over the tile's scores as vectors (vector exp);
   //   PV: output rows in registers, broadcast(p_j) * v_j FMAs.
   // bf16/fp16 K and V are converted in registers (Ops::load_bf16 / f16), never through a buffer.
@@ -713,11 +714,12 @@ struct Engine {
     for (int r = 0; r < MR; ++r) s[r * BK] = Ops::hsum(acc[r]);
   }
 
-  // s[r * BK + x] = q_r . k_x for 4 rows and W / 4 key rows from koff: the W scores' partial
-  // sums reduced together by one transpose-and-add tree (Ops::hsum_w).
+  // s[r * BK + x] = q_r . k_x for kQkRows = 4 rows and W / 4 key rows from koff: the W scores'
+  // partial sums reduced together by one transpose-and-add tree (Ops::hsum_w).
   template <Elt E>
   [[gnu::always_inline]] static void fast_qk_4w(const float* qr, i64 D, const void* k, i64 koff, i64 ks, float* s) {
-    constexpr int KX = W / 4;
+    static_assert(kQkRows * (W / kQkRows) == W, "one accumulator per lane of the tree");
+    constexpr int KX = W / kQkRows;
     V acc[W];
 #pragma GCC unroll 16
     for (int i = 0; i < W; ++i) acc[i] = Ops::zero();
@@ -727,7 +729,7 @@ struct Engine {
 #pragma GCC unroll 4
       for (int x = 0; x < KX; ++x) kv[x] = load_elt<E>(k, koff + x * ks + d);
 #pragma GCC unroll 4
-      for (int r = 0; r < 4; ++r) {
+      for (int r = 0; r < kQkRows; ++r) {
         const V qv = Ops::load(qr + r * D + d);
 #pragma GCC unroll 4
         for (int x = 0; x < KX; ++x) acc[r * KX + x] = Ops::fma(qv, kv[x], acc[r * KX + x]);
@@ -741,8 +743,8 @@ struct Engine {
   static void fast_qk_rows(const float* qr, i64 D, const void* k, i64 koff, i64 ks, int kt, float* s,
                            Prefetch& pf) {
     int j0 = 0;
-    if constexpr (MR == 4 && W >= 4) {
-      constexpr int KX = W / 4;
+    if constexpr (MR == kQkRows && W >= kQkRows) {
+      constexpr int KX = W / kQkRows;
       for (; j0 + KX <= kt; j0 += KX) {
         fast_qk_4w<E>(qr, D, k, koff + j0 * ks, ks, s + j0);
         pf.step(KX);
