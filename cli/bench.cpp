@@ -84,7 +84,7 @@ public:
     const auto key = std::make_pair(threads, whole_mib(bytes));
     auto it = table.find(key);
     if (it == table.end()) {
-      const double b = double(key.second) * 1048576.0;
+      const double b = whole_mib_bytes(bytes);
       it = table.emplace(key, kv ? bench::measure_kv_read_bandwidth(threads, b, seconds_)
                                  : bench::measure_read_bandwidth(threads, b, seconds_)).first;
     }
@@ -92,6 +92,8 @@ public:
   }
   // A read figure's buffer size: `bytes` rounded up to whole MiB, in MiB.
   static std::int64_t whole_mib(double bytes) { return static_cast<std::int64_t>(std::ceil(bytes / 1048576.0)); }
+  // The same size in bytes: the buffer that is read.
+  static double whole_mib_bytes(double bytes) { return double(whole_mib(bytes)) * 1048576.0; }
   const std::map<int, bench::Peaks>& all() const { return peaks_; }
   const std::map<std::pair<int, std::int64_t>, double>& reads() const { return reads_; }
   const std::map<std::pair<int, std::int64_t>, double>& kv_reads() const { return kv_reads_; }
@@ -192,7 +194,7 @@ public:
     const bool bf16_peak = dtype == DType::bf16 && peaks_.at(threads).bf16_gflops > 0;
     const auto adjacent = [&] {
       if (kind == "decode")
-        return bench::measure_read_bandwidth(threads, double(PeakTable::whole_mib(bench::kv_bytes(s, dtype))) * 1048576.0,
+        return bench::measure_read_bandwidth(threads, PeakTable::whole_mib_bytes(bench::kv_bytes(s, dtype)),
                                              o_.adjacent_seconds);
       const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds, !bf16_peak, bf16_peak);
       return bf16_peak ? c.bf16_gflops : c.fma_gflops;
