@@ -7,7 +7,7 @@
 
 #include <cmath>
 
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 #include "qkv/error.hpp"
 #include "qkv_bench.hpp"
 #include "softmax.hpp"

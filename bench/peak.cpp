@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 #include "peak_kernels.hpp"
 #include "qkv_bench.hpp"
 

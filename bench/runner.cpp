@@ -16,7 +16,7 @@
 #include <random>
 #include <sstream>
 
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 #include "qkv/error.hpp"
 #include "qkv_bench.hpp"
 

@@ -25,9 +25,9 @@
 #include <string>
 #include <vector>
 
-#include "api/problem.hpp"
-#include "api/validate.hpp"
-#include "dispatch/cpu_features.hpp"
+#include "core/problem.hpp"
+#include "core/validate.hpp"
+#include "platform/cpu_features.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/reference.hpp"
 #include "qkv/tensor.hpp"

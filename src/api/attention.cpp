@@ -1,20 +1,11 @@
 // Public entry points: validate once, lower to detail::Problem, dispatch.
 #include "qkv/attention.hpp"
 
-#include <algorithm>
-
-#include "api/validate.hpp"
+#include "core/validate.hpp"
 #include "dispatch/dispatch.hpp"
-#include "qkv/reference.hpp"
 #include "reference/reference_kernel.hpp"
 
 namespace qkv {
-
-EffectiveWindow effective_window(const AttentionParams& params) noexcept {
-  EffectiveWindow w{params.window_left, params.window_right};
-  if (params.causal) w.right = w.right < 0 ? 0 : std::min<std::int64_t>(w.right, 0);
-  return w;
-}
 
 void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const TensorView& out, const AttentionParams& params,
@@ -48,16 +39,4 @@ std::string explain_dispatch(const TensorView& q, const TensorView& k, const Ten
   return detail::choose_kernel(p, params.kernel).explanation;
 }
 
-namespace reference {
-
-void attention(const TensorView& q, const TensorView& k, const TensorView& v,
-               const TensorView& out, const AttentionParams& params,
-               const std::optional<TensorView>& softmax_lse,
-               const std::optional<TensorView>& probs) {
-  const detail::Problem p = detail::lower_attention(q, k, v, out, params, softmax_lse, probs);
-  if (p.B == 0 || p.Hq == 0 || p.Sq == 0) return;
-  detail::reference_kernel(p);
-}
-
-}  // namespace reference
 }  // namespace qkv

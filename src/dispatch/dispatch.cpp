@@ -3,7 +3,7 @@
 #include <array>
 
 #include "qkv/error.hpp"
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 #include "kernels/kernels.hpp"
 #include "reference/reference_kernel.hpp"
 

@@ -4,7 +4,7 @@
 #include <span>
 #include <string>
 
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 
 namespace qkv::detail {
 

@@ -1,6 +1,6 @@
 #include "qkv/info.hpp"
 
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 #include "dispatch/dispatch.hpp"
 
 namespace qkv {

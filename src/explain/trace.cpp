@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <limits>
 
-#include "api/validate.hpp"
+#include "core/validate.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 

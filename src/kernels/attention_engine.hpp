@@ -60,7 +60,7 @@
 #include <cstring>
 #include <limits>
 
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 
 #ifndef QKV_ENGINE_NS
 #error "define QKV_ENGINE_NS before including attention_engine.hpp"

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <string>
 
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 
 namespace qkv::detail {
 

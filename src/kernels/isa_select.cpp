@@ -1,7 +1,7 @@
 // Run-time choice of the engine instantiation (src/kernels/simd/<isa>/) for the fast kernels.
 #include <omp.h>
 
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 #include "kernels/isa_kernels.hpp"
 
 namespace qkv::detail {

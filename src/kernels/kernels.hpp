@@ -2,7 +2,7 @@
 // Registry hooks of the fast kernels (dispatch.cpp lists them in priority order).
 #include <string>
 
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 
 namespace qkv::detail {
 

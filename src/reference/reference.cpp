@@ -17,7 +17,7 @@
 #include <limits>
 #include <vector>
 
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 #include "reference/reference_kernel.hpp"
 
 namespace qkv::detail {

@@ -1,5 +1,5 @@
 #pragma once
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 
 namespace qkv::detail {
 /// The float64 reference kernel (src/reference/reference.cpp). Never throws.

@@ -2,7 +2,7 @@
 // Argument checks of the public attention entry points and lowering to detail::Problem.
 #include <optional>
 
-#include "api/problem.hpp"
+#include "core/problem.hpp"
 
 namespace qkv::detail {
 

@@ -1,5 +1,5 @@
 // Every check of an attention call happens here, once; kernels trust the lowered Problem.
-#include "api/validate.hpp"
+#include "core/validate.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -8,6 +8,17 @@
 #include <string>
 
 #include "qkv/error.hpp"
+
+namespace qkv {
+
+EffectiveWindow effective_window(const AttentionParams& params) noexcept {
+  EffectiveWindow w{params.window_left, params.window_right};
+  if (params.causal) w.right = w.right < 0 ? 0 : std::min<std::int64_t>(w.right, 0);
+  return w;
+}
+
+
+}  // namespace qkv
 
 namespace qkv::detail {
 namespace {

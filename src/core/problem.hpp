@@ -50,7 +50,6 @@ struct Problem {
   std::int64_t key_len(std::int64_t b) const noexcept {
     return kv_lens.empty() ? Sk : kv_lens[static_cast<std::size_t>(b)];
   }
-  bool has_window() const noexcept { return window_left >= 0 || window_right >= 0; }
   /// Key position of query row i's diagonal.
   std::int64_t diag(std::int64_t b, std::int64_t i) const noexcept {
     return align == Alignment::bottom_right ? i + key_len(b) - Sq : i;

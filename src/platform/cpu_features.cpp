@@ -1,4 +1,4 @@
-#include "dispatch/cpu_features.hpp"
+#include "platform/cpu_features.hpp"
 
 #include <atomic>
 #include <cstdlib>
