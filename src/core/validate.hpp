@@ -6,6 +6,11 @@
 
 namespace qkv::detail {
 
+/// Throws qkv::Error unless `t` is a valid 4-D operand (rank 4, sizes and strides whose extent
+/// fits int64, a data pointer, a contiguous last dimension), e.g. "q: expected a 4-D tensor
+/// [B,Hq,Sq,D], got rank 3 with shape [2,3,4]".
+void check_rank4(const TensorView& t, const char* name, const char* axes);
+
 /// Validates one attention call and lowers it. Throws qkv::Error naming the argument, the
 /// expected and the actual shape or value.
 Problem lower_attention(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -1,10 +1,9 @@
 // Step trace of attention: every intermediate of qkv::reference::attention, kept.
 //
-// Algorithm: Vaswani et al. 2017, sec. 3.2.1, in float64, one query row at a time, in exactly the
-// order of src/reference/reference.cpp (dot product, scale, softcap, additive mask, max-shifted
-// softmax, weighted sum in ascending key order), so the weights and outputs match the reference
-// to the last bit and a fast kernel to its tolerance. The arguments are validated by the same
-// lowering as qkv::attention(), so errors read the same.
+// Algorithm: Vaswani et al. 2017, sec. 3.2.1, in float64: the trace runs the reference's own rows
+// (src/reference, ReferenceRows) and keeps the steps they record, so its weights and outputs are
+// the reference's to the last bit. The arguments are validated by the same lowering as
+// qkv::attention(), so errors read the same.
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
@@ -12,6 +11,7 @@
 #include <limits>
 
 #include "core/validate.hpp"
+#include "reference/reference_kernel.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 
@@ -20,17 +20,6 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-std::string s(std::int64_t x) { return std::to_string(x); }
-
-void load_row(const void* base, DType dtype, std::int64_t offset, std::int64_t n, double* dst) {
-  for (std::int64_t x = 0; x < n; ++x) dst[x] = load_as_double(base, dtype, offset + x);
-}
-
-void need_rank4(const TensorView& t, const char* name, const char* axes) {
-  if (t.rank() != 4)
-    throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " + s(t.rank()) +
-                " with shape " + shape_str(t.shape()));
-}
 
 std::string fmt(double x) {
   char buf[64];
@@ -40,8 +29,8 @@ std::string fmt(double x) {
 
 void check_index(std::int64_t x, std::int64_t n, const char* what, const char* axis) {
   if (x < 0 || x >= n)
-    throw Error(std::string(what) + ": expected an index in [0, " + axis + ") = [0, " + s(n) + "), got " +
-                s(x));
+    throw Error(std::string(what) + ": expected an index in [0, " + axis + ") = [0, " + std::to_string(n) + "), got " +
+                std::to_string(x));
 }
 
 }  // namespace
@@ -80,9 +69,9 @@ TensorView Trace::output_view() const {
 
 Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                       const AttentionParams& params) {
-  need_rank4(q, "q", "[B,Hq,Sq,D]");
-  need_rank4(k, "k", "[B,Hkv,Sk,D]");
-  need_rank4(v, "v", "[B,Hkv,Sk,Dv]");
+  detail::check_rank4(q, "q", "[B,Hq,Sq,D]");
+  detail::check_rank4(k, "k", "[B,Hkv,Sk,D]");
+  detail::check_rank4(v, "v", "[B,Hkv,Sk,Dv]");
   Trace t;
   t.B = q.size(0);
   t.Hq = q.size(1);
@@ -94,12 +83,12 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
   // Sizes are checked before anything is allocated: the entries grow as B*Hq*Sq*Sk.
   const std::int64_t entries = checked_numel({t.B, t.Hq, t.Sq, std::max<std::int64_t>(t.Sk, 1)}, 8, "q, k");
   if (entries > kMaxTraceEntries)
-    throw Error("q, k: a trace holds B*Hq*Sq*Sk = " + s(entries) + " entries per step, more than " +
-                s(kMaxTraceEntries) + "; trace fewer heads or a shorter sequence");
+    throw Error("q, k: a trace holds B*Hq*Sq*Sk = " + std::to_string(entries) + " entries per step, more than " +
+                std::to_string(kMaxTraceEntries) + "; trace fewer heads or a shorter sequence");
   const std::int64_t nout = checked_numel({t.B, t.Hq, t.Sq, t.Dv}, 8, "out");
   if (nout > kMaxTraceEntries)
-    throw Error("v: a trace output holds B*Hq*Sq*Dv = " + s(nout) + " entries, more than " +
-                s(kMaxTraceEntries));
+    throw Error("v: a trace output holds B*Hq*Sq*Dv = " + std::to_string(nout) + " entries, more than " +
+                std::to_string(kMaxTraceEntries));
 
   const auto n = static_cast<std::size_t>(t.B * t.Hq * t.Sq * t.Sk);
   t.output.assign(static_cast<std::size_t>(nout), 0.0);
@@ -127,78 +116,26 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
   t.status.assign(n, KeyStatus::admitted);
   if (t.additive_mask) t.mask_add.assign(n, 0.0);
 
-  std::vector<double> qi(static_cast<std::size_t>(t.D)), kj(static_cast<std::size_t>(t.D));
-  std::vector<double> vj(static_cast<std::size_t>(t.Dv)), z(static_cast<std::size_t>(t.Dv));
-  const detail::MaskOperand& m = pr.mask;
+  static_assert(static_cast<int>(KeyStatus::admitted) == static_cast<int>(detail::KeyState::admitted) &&
+                static_cast<int>(KeyStatus::outside_window) == static_cast<int>(detail::KeyState::outside_window) &&
+                static_cast<int>(KeyStatus::beyond_kv_len) == static_cast<int>(detail::KeyState::beyond_kv_len) &&
+                static_cast<int>(KeyStatus::masked) == static_cast<int>(detail::KeyState::masked));
+  detail::ReferenceRows rows(pr);
+  std::vector<detail::KeyState> states(static_cast<std::size_t>(t.Sk));
   for (std::int64_t b = 0; b < t.B; ++b)
-    for (std::int64_t h = 0; h < t.Hq; ++h) {
-      const std::int64_t hk = pr.kv_head(h);
+    for (std::int64_t h = 0; h < t.Hq; ++h)
       for (std::int64_t i = 0; i < t.Sq; ++i) {
-        load_row(pr.q.data, pr.q.dtype, b * pr.q.sb + h * pr.q.sh + i * pr.q.ss, t.D, qi.data());
-        std::int64_t lo, hi;
-        pr.key_range(b, i, lo, hi);
-        const std::int64_t row = t.at(b, h, i, 0);
-        double* sc = &t.scores[static_cast<std::size_t>(row)];
-        double* sl = &t.scaled[static_cast<std::size_t>(row)];
-        double* al = &t.weights[static_cast<std::size_t>(row)];
-        KeyStatus* st = &t.status[static_cast<std::size_t>(row)];
-        double row_max = kNegInf;
-        for (std::int64_t j = 0; j < t.Sk; ++j) {
-          if (j < lo || j >= hi) {
-            st[j] = j >= pr.key_len(b) ? KeyStatus::beyond_kv_len : KeyStatus::outside_window;
-            continue;
-          }
-          double add = 0.0;
-          if (m.data) {
-            const std::int64_t off = b * m.sb + h * m.sh + i * m.sq + j * m.sk;
-            bool attend = true;
-            if (m.dtype == DType::b8) {
-              attend = static_cast<const std::uint8_t*>(m.data)[off] != 0;
-            } else {
-              add = load_as_double(m.data, m.dtype, off);
-              attend = add != kNegInf;
-              t.mask_add[static_cast<std::size_t>(row + j)] = add;
-            }
-            if (!attend) {
-              st[j] = KeyStatus::masked;
-              continue;
-            }
-          }
-          // Step 1: the dot product.
-          load_row(pr.k.data, pr.k.dtype, b * pr.k.sb + hk * pr.k.sh + j * pr.k.ss, t.D, kj.data());
-          double dot = 0.0;
-          for (std::int64_t x = 0; x < t.D; ++x)
-            dot += qi[static_cast<std::size_t>(x)] * kj[static_cast<std::size_t>(x)];
-          sc[j] = dot;
-          // Step 2: scale, softcap, additive mask.
-          double sj = pr.scale * dot;
-          if (pr.softcap > 0.0) sj = pr.softcap * std::tanh(sj / pr.softcap);
-          sj += add;
-          sl[j] = sj;
-          if (sj > row_max) row_max = sj;
-          if (std::isnan(sj)) row_max = sj;
-        }
-        // Step 3: softmax over the admitted keys.
-        const bool empty = row_max == kNegInf;
-        double sum = 0.0;
-        for (std::int64_t j = 0; j < t.Sk; ++j) {
-          al[j] = (st[j] != KeyStatus::admitted || empty) ? 0.0 : std::exp(sl[j] - row_max);
-          sum += al[j];
-        }
-        for (std::int64_t j = 0; j < t.Sk; ++j) al[j] = empty ? 0.0 : al[j] / sum;
-        // Step 4: the weighted sum of the values.
-        std::fill(z.begin(), z.end(), 0.0);
-        for (std::int64_t j = 0; j < t.Sk && !empty; ++j) {
-          if (st[j] != KeyStatus::admitted) continue;
-          load_row(pr.v.data, pr.v.dtype, b * pr.v.sb + hk * pr.v.sh + j * pr.v.ss, t.Dv, vj.data());
-          for (std::int64_t x = 0; x < t.Dv; ++x)
-            z[static_cast<std::size_t>(x)] += al[j] * vj[static_cast<std::size_t>(x)];
-        }
-        std::copy(z.begin(), z.end(), t.output.begin() + ((b * t.Hq + h) * t.Sq + i) * t.Dv);
-        t.lse[static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i)] =
-            empty ? kNegInf : row_max + std::log(sum);
+        const auto row = static_cast<std::size_t>(t.at(b, h, i, 0));
+        detail::RowSteps steps;
+        steps.scores = &t.scores[row];
+        steps.scaled = &t.scaled[row];
+        steps.mask_add = t.additive_mask ? &t.mask_add[row] : nullptr;
+        steps.state = states.data();
+        const auto r = static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i);
+        t.lse[r] = rows.run(b, h, i, &t.weights[row], &t.output[r * static_cast<std::size_t>(t.Dv)], steps);
+        std::transform(states.begin(), states.end(), t.status.begin() + static_cast<std::ptrdiff_t>(row),
+                       [](detail::KeyState x) { return static_cast<KeyStatus>(x); });
       }
-    }
   return t;
 }
 
@@ -235,7 +172,7 @@ std::vector<std::string> query_labels(const Trace& t, const std::vector<std::str
     const std::int64_t d = key_labels.empty() ? i : t.diag(b, i);
     out.push_back(d >= 0 && d < static_cast<std::int64_t>(key_labels.size())
                       ? key_labels[static_cast<std::size_t>(d)]
-                      : s(i));
+                      : std::to_string(i));
   }
   return out;
 }
@@ -246,8 +183,8 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
   check_index(h, t.Hq, "head", "Hq");
   check_index(i, t.Sq, "query", "Sq");
   if (!key_labels.empty() && static_cast<std::int64_t>(key_labels.size()) != t.Sk)
-    throw Error("labels: expected Sk = " + s(t.Sk) + " key labels, got " +
-                s(static_cast<std::int64_t>(key_labels.size())));
+    throw Error("labels: expected Sk = " + std::to_string(t.Sk) + " key labels, got " +
+                std::to_string(static_cast<std::int64_t>(key_labels.size())));
   auto label = [&](std::int64_t j) {
     return key_labels.empty() ? std::string() : key_labels[static_cast<std::size_t>(j)];
   };
