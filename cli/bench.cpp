@@ -121,20 +121,17 @@ double physical_memory_bytes() {
   return pages > 0 && size > 0 ? double(pages) * double(size) : 0.0;
 }
 
-// The table goes to stdout, or to stderr when the JSON goes to stdout.
-FILE* g_out = stdout;
-
 // The float64 reference kernel runs at well under 1 GFLOP/s: when it is what would be timed (no
 // fast kernel compiled in or usable) and was not asked for, shapes beyond 2e10 FLOP are skipped
 // with a note rather than running for hours.
-bool skip_reference(const BenchOptions& o, const BenchShape& s, bool causal, DType dtype, int threads) {
+bool skip_reference(FILE* out, const BenchOptions& o, const BenchShape& s, bool causal, DType dtype, int threads) {
   if (o.reference || bench::forward_flops(s, causal) <= 2e10) return false;
   const bench::Inputs probe = bench::make_inputs({s.B, s.Hq, s.Hkv, 1, 1, s.D}, dtype);
   AttentionParams p;
   p.causal = causal;
   p.num_threads = threads;
   if (bench::dispatched_kernel(probe, p).rfind("reference", 0) != 0) return false;
-  std::fprintf(g_out, "%-8s %s %s %s: skipped, only the float64 reference kernel would run it (%.0f GFLOP)\n", "",
+  std::fprintf(out, "%-8s %s %s %s: skipped, only the float64 reference kernel would run it (%.0f GFLOP)\n", "",
                bench::shape_label(s).c_str(), causal ? "causal" : "not causal",
                std::string(dtype_name(dtype)).c_str(), bench::forward_flops(s, causal) * 1e-9);
   return true;
@@ -292,18 +289,13 @@ json peaks_json(const bench::Peaks& p) {
           {"bf16_gflops", p.bf16_gflops}, {"read_gbps", p.read_gbps}, {"read_mib", p.read_mib}};
 }
 
-// Writes `text` to `path` through a temporary file and a rename, so that no partial file is left.
-void write_atomically(const std::string& path, const std::string& text) {
-  qkv::detail::write_file_atomically(path, [&](std::ostream& f) { f << text; });
-}
 
-
-void print_header() {
-  std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3s %11s %14s %11s %8s %6s %-10s %9s\n", "kind", "shape",
+void print_header(FILE* out) {
+  std::fprintf(out, "%-8s %-34s %-6s %-5s %-22s %3s %11s %14s %11s %8s %6s %-10s %9s\n", "kind", "shape",
                "causal", "dtype", "kernel", "thr", "seconds", "rate", "base_s", "x_base", "peak%", "(of)", "maxdiff");
 }
 
-void print_row(const Row& r) {
+void print_row(FILE* out, const Row& r) {
   char rate[32], base[32] = "-", ratio[32] = "-", diff[32] = "-";
   if (r.kind == "decode")
     std::snprintf(rate, sizeof rate, "%.2f GB/s", r.gbps);
@@ -316,22 +308,22 @@ void print_row(const Row& r) {
   if (r.max_abs_diff) std::snprintf(diff, sizeof diff, "%.1e", *r.max_abs_diff);
   char of[32];
   std::snprintf(of, sizeof of, "(%.0f)", r.peak_value);
-  std::fprintf(g_out, "%-8s %-34s %-6s %-5s %-22s %3d %11.4g %14s %11s %8s %6.1f %-10s %9s\n", r.kind.c_str(),
+  std::fprintf(out, "%-8s %-34s %-6s %-5s %-22s %3d %11.4g %14s %11s %8s %6.1f %-10s %9s\n", r.kind.c_str(),
                bench::shape_label(r.shape).c_str(), r.causal ? "yes" : "no", dtype_short(r.dtype).c_str(),
                r.kernel.c_str(), r.threads, r.seconds, rate, base, ratio, 100.0 * r.peak_fraction, of, diff);
   if (r.seconds_1thread)
-    std::fprintf(g_out, "%-8s   1 thread %.4g s, %d threads %.4g s: speedup %.2fx\n", "", *r.seconds_1thread,
+    std::fprintf(out, "%-8s   1 thread %.4g s, %d threads %.4g s: speedup %.2fx\n", "", *r.seconds_1thread,
                  r.threads, r.seconds, *r.seconds_1thread / r.seconds);
   if (r.mem)
-    std::fprintf(g_out, "%-8s   resident after inputs %.1f MiB, peak %.1f MiB, added by the call %.1f MiB\n", "",
+    std::fprintf(out, "%-8s   resident after inputs %.1f MiB, peak %.1f MiB, added by the call %.1f MiB\n", "",
                  r.mem->rss_inputs_mib, r.mem->hwm_mib, r.mem->extra_mib);
   if (const auto f = r.adjacent_fraction())
-    std::fprintf(g_out, "%-8s   peak measured next to this row: %.1f; this row %.1f%% of it\n", "", *r.adjacent_peak,
+    std::fprintf(out, "%-8s   peak measured next to this row: %.1f; this row %.1f%% of it\n", "", *r.adjacent_peak,
                  100.0 * *f);
   if (r.kv_read_gbps && *r.kv_read_gbps > 0)
-    std::fprintf(g_out, "%-8s   K and V read as two streams of this size: %.1f GB/s; this row %.1f%% of it\n", "",
+    std::fprintf(out, "%-8s   K and V read as two streams of this size: %.1f GB/s; this row %.1f%% of it\n", "",
                  *r.kv_read_gbps, 100.0 * r.gbps / *r.kv_read_gbps);
-  std::fflush(g_out);
+  std::fflush(out);
 }
 
 // The results as a Markdown table (docs/performance.md), with the run's machine figures above it.
@@ -417,7 +409,7 @@ void run_bench(BenchOptions o) {
     if (std::filesystem::is_directory(path)) throw Error(std::string(flag) + ": '" + path + "' is a directory");
   }
   const double load_start = load_average();
-  g_out = to_stdout ? stderr : stdout;
+  FILE* const out = to_stdout ? stderr : stdout;  // the table; stdout carries the JSON when asked
 
   if (o.quick) {
     if (o.head_dims.empty()) o.head_dims = {64};
@@ -442,27 +434,27 @@ void run_bench(BenchOptions o) {
   // child forked from a process with a thread pool cannot use OpenMP safely.
   std::optional<bench::MemoryUse> memory_use;
   const BenchShape memory_shape{1, 8, 8, o.memory_seqlen, o.memory_seqlen, 128};
-  if (o.memory && !skip_reference(o, memory_shape, false, DType::f32, threads))
+  if (o.memory && !skip_reference(out, o, memory_shape, false, DType::f32, threads))
     memory_use = bench::measure_memory(memory_shape, DType::f32, false, threads);
 
-  std::fprintf(g_out, "qkv %s bench: %d threads, medians of %d runs or of as many as fill %.2g s, at most %.3g s per shape\n",
+  std::fprintf(out, "qkv %s bench: %d threads, medians of %d runs or of as many as fill %.2g s, at most %.3g s per shape\n",
                qkv::version(), threads, o.repeats, o.min_time, o.budget);
-  std::fprintf(g_out, "cpu features: %s\n", qkv::cpu_features_string().c_str());
-  std::fprintf(g_out, "%s\n", bench::blas_env_note().c_str());
+  std::fprintf(out, "cpu features: %s\n", qkv::cpu_features_string().c_str());
+  std::fprintf(out, "%s\n", bench::blas_env_note().c_str());
   Runner run(o);
   std::vector<int> peak_threads{1};
   if (threads != 1) peak_threads.push_back(threads);
   for (int t : peak_threads) {
     const bench::Peaks& p = run.peaks().at(t);
-    std::fprintf(g_out,
+    std::fprintf(out,
                  "peak, %d thread%s: fp32 FMA (%s) %.1f GFLOP/s, bf16 dot %.1f GFLOP/s, read %.1f GB/s (%.0f MiB buffer)\n",
                  t, t == 1 ? "" : "s", p.fma_isa.c_str(), p.fma_gflops, p.bf16_gflops, p.read_gbps, p.read_mib);
   }
-  print_header();
+  print_header(out);
 
   std::vector<Row> rows;
   auto emit = [&](Row r) {
-    print_row(r);
+    print_row(out, r);
     rows.push_back(std::move(r));
   };
   if (forward) {
@@ -473,7 +465,7 @@ void run_bench(BenchOptions o) {
         const bench::Inputs f32 = bench::make_inputs(s, DType::f32);
         for (bool c : causals)
           for (DType d : dtypes)
-            if (!skip_reference(o, s, c, d, threads)) emit(run.measure("forward", s, c, d, threads, &f32));
+            if (!skip_reference(out, o, s, c, d, threads)) emit(run.measure("forward", s, c, d, threads, &f32));
       }
   }
   if (decode) {
@@ -483,7 +475,7 @@ void run_bench(BenchOptions o) {
         run.clear_baselines();
         const bench::Inputs f32 = bench::make_inputs(s, DType::f32);
         for (DType d : dtypes)
-          if (!skip_reference(o, s, false, d, threads)) emit(run.measure("decode", s, false, d, threads, &f32));
+          if (!skip_reference(out, o, s, false, d, threads)) emit(run.measure("decode", s, false, d, threads, &f32));
       }
   }
   if (o.scaling) {
@@ -492,7 +484,7 @@ void run_bench(BenchOptions o) {
       for (bool c : causals)
         for (DType d : dtypes) {
           const BenchShape s{1, 8, 8, o.scaling_seqlen, o.scaling_seqlen, D};
-          if (skip_reference(o, s, c, d, threads)) continue;
+          if (skip_reference(out, o, s, c, d, threads)) continue;
           const bench::Inputs in = bench::make_inputs(s, d);
           const bench::Inputs* f32 = d == DType::f32 ? &in : nullptr;
           const Row one = run.measure("scaling", s, c, d, 1, f32, false, false);
@@ -519,10 +511,10 @@ void run_bench(BenchOptions o) {
     r.mem = m;
     emit(std::move(r));
   }
-  std::fprintf(g_out, "peak resident memory of this process: %.1f MiB\n", bench::peak_rss_mib());
+  std::fprintf(out, "peak resident memory of this process: %.1f MiB\n", bench::peak_rss_mib());
 
   if (!o.markdown_path.empty())
-    write_atomically(o.markdown_path, markdown(rows, run.peaks().all(), threads, load_start, load_average()));
+    qkv::detail::write_file_atomically(o.markdown_path, markdown(rows, run.peaks().all(), threads, load_start, load_average()));
   if (!o.json_path.empty()) {
     json peaks = json::object();
     for (const auto& [t, p] : run.peaks().all()) peaks[std::to_string(t)] = peaks_json(p);
@@ -548,7 +540,7 @@ void run_bench(BenchOptions o) {
       std::fwrite(text.data(), 1, text.size(), stdout);
       std::fflush(stdout);
     } else {
-      write_atomically(o.json_path, text);
+      qkv::detail::write_file_atomically(o.json_path, text);
     }
   }
 }

@@ -190,9 +190,6 @@ void write_heatmap(const std::filesystem::path& path, const TensorView& weights,
 /// Encodes an image as PNG bytes (stb_image_write).
 std::vector<std::uint8_t> encode_png(const Image& image);
 
-/// Writes bytes to `path` under a temporary name, renamed on success. @throws qkv::Error.
-void write_file_atomic(const std::filesystem::path& path, const void* data, std::size_t size);
-
 // ---- the scaling argument, measured ------------------------------------------------------------
 
 struct ScalingOptions {

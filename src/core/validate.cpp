@@ -8,6 +8,7 @@
 #include <string>
 
 #include "qkv/error.hpp"
+#include "tensor/convert.hpp"
 
 namespace qkv {
 
@@ -17,15 +18,10 @@ EffectiveWindow effective_window(const AttentionParams& params) noexcept {
   return w;
 }
 
-
 }  // namespace qkv
 
 namespace qkv::detail {
 namespace {
-
-std::string s(std::int64_t x) { return std::to_string(x); }
-
-bool is_float(DType d) { return d == DType::f32 || d == DType::f64 || d == DType::f16 || d == DType::bf16; }
 
 // The element count must fit int64 (and its bytes size_t), and the bytes between the lowest and
 // the highest element must fit int64, so that no offset a kernel forms can overflow.
@@ -65,22 +61,12 @@ void check_distinct(const TensorView& t, const char* name) {
                   shape_str(t.shape()) + " with strides " + shape_str(t.strides()));
 }
 
-void check_rank4(const TensorView& t, const char* name, const char* axes) {
-  if (t.rank() != 4)
-    throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
-                s(t.rank()) + " with shape " + shape_str(t.shape()));
-  check_sizes(t, name);
-  check_data(t, name);
-  if (t.size(3) > 1 && t.stride(3) != 1)
-    throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
-                s(t.stride(3)) + " in shape " + shape_str(t.shape()));
-}
 
 void expect_dim(const TensorView& t, const char* name, const char* axes, int axis,
                 const char* letter, std::int64_t want, const std::string& why) {
   if (t.size(axis) != want)
     throw Error(std::string(name) + ": expected " + axes + " with " + letter + " == " + why + " (" +
-                s(want) + "), got " + letter + " = " + s(t.size(axis)) + " in shape " + shape_str(t.shape()));
+                std::to_string(want) + "), got " + letter + " = " + std::to_string(t.size(axis)) + " in shape " + shape_str(t.shape()));
 }
 
 // Byte range [lo, hi) spanned by a view (empty views span nothing). Addresses as integers:
@@ -127,6 +113,17 @@ OutOperand lower_out(const TensorView& t) {
 
 }  // namespace
 
+void check_rank4(const TensorView& t, const char* name, const char* axes) {
+  if (t.rank() != 4)
+    throw Error(std::string(name) + ": expected a 4-D tensor " + axes + ", got rank " +
+                std::to_string(t.rank()) + " with shape " + shape_str(t.shape()));
+  check_sizes(t, name);
+  check_data(t, name);
+  if (t.size(3) > 1 && t.stride(3) != 1)
+    throw Error(std::string(name) + ": expected a contiguous last dimension (stride 1), got stride " +
+                std::to_string(t.stride(3)) + " in shape " + shape_str(t.shape()));
+}
+
 Problem lower_attention(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const AttentionParams& params,
                         const std::optional<TensorView>& softmax_lse,
@@ -137,13 +134,13 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   check_rank4(out, "out", "[B,Hq,Sq,Dv]");
   check_distinct(out, "out");
 
-  if (!is_float(q.dtype()))
+  if (!is_float_dtype(q.dtype()))
     throw Error("q: expected dtype float32, float64, float16 or bfloat16, got " + std::string(dtype_name(q.dtype())));
   if (k.dtype() != q.dtype())
     throw Error("k: expected dtype " + std::string(dtype_name(q.dtype())) + " (the dtype of q), got " + std::string(dtype_name(k.dtype())));
   if (v.dtype() != q.dtype())
     throw Error("v: expected dtype " + std::string(dtype_name(q.dtype())) + " (the dtype of q), got " + std::string(dtype_name(v.dtype())));
-  if (!is_float(out.dtype()))
+  if (!is_float_dtype(out.dtype()))
     throw Error("out: expected dtype float32, float64, float16 or bfloat16, got " + std::string(dtype_name(out.dtype())));
 
   Problem p;
@@ -159,10 +156,10 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   expect_dim(out, "out", "[B,Hq,Sq,Dv]", 2, "Sq", p.Sq, "q.Sq");
   expect_dim(out, "out", "[B,Hq,Sq,Dv]", 3, "Dv", p.Dv, "v.Dv");
   if (p.Hkv == 0 ? p.Hq != 0 : p.Hq % p.Hkv != 0)
-    throw Error("k: expected Hq % Hkv == 0 (grouped-query attention), got Hq = " + s(p.Hq) +
-                ", Hkv = " + s(p.Hkv));
+    throw Error("k: expected Hq % Hkv == 0 (grouped-query attention), got Hq = " + std::to_string(p.Hq) +
+                ", Hkv = " + std::to_string(p.Hkv));
   if (p.D < 1 && !params.scale)
-    throw Error("q: expected D >= 1 for the default scale 1/sqrt(D), got D = " + s(p.D));
+    throw Error("q: expected D >= 1 for the default scale 1/sqrt(D), got D = " + std::to_string(p.D));
 
   p.q = {q.data(), q.dtype(), q.stride(0), q.stride(1), q.stride(2)};
   p.k = {k.data(), k.dtype(), k.stride(0), k.stride(1), k.stride(2)};
@@ -213,8 +210,8 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
     throw Error("softcap: expected a finite number >= 0 (0 = off), got " + std::to_string(params.softcap));
   p.softcap = params.softcap;
   if (params.window_left < -1 || params.window_right < -1)
-    throw Error("window: expected LEFT,RIGHT >= -1 (-1 = unbounded), got " + s(params.window_left) +
-                "," + s(params.window_right));
+    throw Error("window: expected LEFT,RIGHT >= -1 (-1 = unbounded), got " + std::to_string(params.window_left) +
+                "," + std::to_string(params.window_right));
   const EffectiveWindow w = effective_window(params);
   // A window wider than Sq + Sk admits everything on that side: clamping keeps the index
   // arithmetic of the kernels far from overflow without changing the result.
@@ -223,7 +220,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   p.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
   p.align = params.align;
   if (params.num_threads < 0)
-    throw Error("num_threads: expected >= 0 (0 = OpenMP default), got " + s(params.num_threads));
+    throw Error("num_threads: expected >= 0 (0 = OpenMP default), got " + std::to_string(params.num_threads));
   p.num_threads = params.num_threads;
 
   // Explicit mask, broadcast to [B,Hq,Sq,Sk] with NumPy rules (right-aligned, size-1 axes).
@@ -266,8 +263,8 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
       const std::int64_t len = l.dtype() == DType::i32 ? l.data_as<const std::int32_t>()[off]
                                                        : l.data_as<const std::int64_t>()[off];
       if (len < 0 || len > p.Sk)
-        throw Error("kv_lens: expected each length in [0, Sk] = [0, " + s(p.Sk) + "], got " + s(len) +
-                    " at batch " + s(b));
+        throw Error("kv_lens: expected each length in [0, Sk] = [0, " + std::to_string(p.Sk) + "], got " + std::to_string(len) +
+                    " at batch " + std::to_string(b));
       p.kv_lens[static_cast<std::size_t>(b)] = len;
     }
   }

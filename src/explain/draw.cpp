@@ -199,10 +199,25 @@ std::vector<std::uint8_t> encode_png(const Image& image) {
   return out;
 }
 
-void write_file_atomic(const std::filesystem::path& path, const void* data, std::size_t size) {
-  qkv::detail::write_file_atomically(path, [&](std::ostream& f) {
-    f.write(static_cast<const char*>(data), static_cast<std::streamsize>(size));
-  });
+namespace detail {
+
+void write_figure(const std::filesystem::path& path, const char* what, const std::string& title,
+                  const std::function<Image()>& raster, const std::function<std::string()>& svg) {
+  const std::string ext = extension_of(path);
+  std::string bytes;
+  if (ext == ".png") {
+    const auto png = encode_png(raster());
+    bytes.assign(png.begin(), png.end());
+  } else if (ext == ".svg") {
+    bytes = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + svg();
+  } else if (ext == ".html" || ext == ".htm") {
+    bytes = html_page(title, svg());
+  } else {
+    throw Error(std::string(what) + ": expected a file name ending in .png, .svg or .html, got '" + path.string() + "'");
+  }
+  qkv::detail::write_file_atomically(path, bytes);
 }
+
+}  // namespace detail
 
 }  // namespace qkv::explain

@@ -4,6 +4,8 @@
 // axis-aligned quads, ASCII only), horizontal or rotated a quarter turn.
 #include <array>
 #include <cstdint>
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -53,5 +55,9 @@ std::string tick_label(double x);
 std::string extension_of(const std::filesystem::path& p);
 /// A page holding one SVG document.
 std::string html_page(const std::string& title, const std::string& svg);
+/// Writes a figure by the extension of `path`: .png (`raster`, encoded), .svg or .html (a page
+/// titled `title`) from `svg`, atomically. @throws qkv::Error naming `what` for another extension.
+void write_figure(const std::filesystem::path& path, const char* what, const std::string& title,
+                  const std::function<Image()>& raster, const std::function<std::string()>& svg);
 
 }  // namespace qkv::explain::detail

@@ -15,7 +15,6 @@ namespace {
 
 using detail::Rgb;
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 // viridis at t = 0, 1/9, ..., 1 (matplotlib's table sampled at 10 points), interpolated linearly
 // in sRGB: within a few units of the 256-entry table.
@@ -47,7 +46,7 @@ Grid load_grid(const TensorView& weights) {
                 shape_str(weights.shape()));
   checked_numel(weights.shape(), 8, "weights");
   if (g.H * g.Sq * g.Sk > kMaxTraceEntries)
-    throw Error("weights: expected at most " + s(kMaxTraceEntries) + " entries, got shape " +
+    throw Error("weights: expected at most " + std::to_string(kMaxTraceEntries) + " entries, got shape " +
                 shape_str(weights.shape()));
   const Tensor c = to_contiguous(weights, DType::f64);
   g.w.assign(c.data_as<const double>(), c.data_as<const double>() + c.numel());
@@ -56,12 +55,12 @@ Grid load_grid(const TensorView& weights) {
 
 void check_labels(const std::vector<std::string>& l, std::int64_t n, const char* name, const char* axis) {
   if (!l.empty() && static_cast<std::int64_t>(l.size()) != n)
-    throw Error(std::string(name) + ": expected " + axis + " = " + s(n) + " labels (or none), got " +
-                s(static_cast<std::int64_t>(l.size())));
+    throw Error(std::string(name) + ": expected " + axis + " = " + std::to_string(n) + " labels (or none), got " +
+                std::to_string(static_cast<std::int64_t>(l.size())));
 }
 
 std::string label_at(const std::vector<std::string>& l, std::int64_t i) {
-  return l.empty() ? s(i) : l[static_cast<std::size_t>(i)];
+  return l.empty() ? std::to_string(i) : l[static_cast<std::size_t>(i)];
 }
 
 // The geometry shared by the PNG and SVG renderers, in pixels.
@@ -89,7 +88,7 @@ Layout make_layout(const Grid& g, const std::vector<std::string>& rl, const std:
   Layout L;
   const std::int64_t smax = std::max(g.Sq, g.Sk);
   L.cell = o.cell_px > 0 ? o.cell_px : static_cast<int>(std::clamp<std::int64_t>(480 / smax, 4, 32));
-  if (L.cell > 256) throw Error("cell_px: expected at most 256, got " + s(L.cell));
+  if (L.cell > 256) throw Error("cell_px: expected at most 256, got " + std::to_string(L.cell));
   const int pitch = detail::kFontHeight + 2;  // a label needs this many pixels across
   L.label_step = L.cell >= pitch ? 1 : (pitch + L.cell - 1) / L.cell;
   int wr = 0, wc = 0;
@@ -128,7 +127,7 @@ Layout make_layout(const Grid& g, const std::vector<std::string>& rl, const std:
   const std::int64_t Hh =
       std::max<std::int64_t>(L.margin + L.title_h + grid_h, L.bar_y + L.bar_h + 8) + L.margin;
   if (W * Hh > (std::int64_t{1} << 28))
-    throw Error("weights: the heatmap would be " + s(W) + " x " + s(Hh) +
+    throw Error("weights: the heatmap would be " + std::to_string(W) + " x " + std::to_string(Hh) +
                 " pixels, more than 2^28; use a smaller cell_px");
   L.width = static_cast<int>(W);
   L.height = static_cast<int>(Hh);
@@ -142,7 +141,7 @@ Rgb colour(const Layout& L, double x) {
 
 std::string panel_title(const HeatmapOptions& o, std::int64_t h) {
   return h < static_cast<std::int64_t>(o.panel_titles.size()) ? o.panel_titles[static_cast<std::size_t>(h)]
-                                                              : "head " + s(h);
+                                                              : "head " + std::to_string(h);
 }
 
 constexpr const char* kCaption = "rows: queries i, columns: keys j, colour: weight alpha_ij";
@@ -219,8 +218,8 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
   using detail::xml_escape;
   std::string out;
   out.reserve(static_cast<std::size_t>(g.H * g.Sq * g.Sk) * 96 + 4096);
-  out += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + s(L.width) + "\" height=\"" + s(L.height) +
-         "\" viewBox=\"0 0 " + s(L.width) + " " + s(L.height) +
+  out += "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" + std::to_string(L.width) + "\" height=\"" + std::to_string(L.height) +
+         "\" viewBox=\"0 0 " + std::to_string(L.width) + " " + std::to_string(L.height) +
          "\" font-family=\"monospace\" font-size=\"10\">\n";
   out += "<rect width=\"100%\" height=\"100%\" fill=\"#ffffff\"/>\n";
   out += "<defs><linearGradient id=\"viridis\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">";
@@ -230,16 +229,16 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
   out += "</linearGradient></defs>\n";
   int cap_y = L.margin + 10;
   if (!o.title.empty()) {
-    out += "<text x=\"" + s(L.margin) + "\" y=\"" + s(L.margin + 14) +
+    out += "<text x=\"" + std::to_string(L.margin) + "\" y=\"" + std::to_string(L.margin + 14) +
            "\" font-size=\"16\" font-family=\"sans-serif\">" + xml_escape(o.title) + "</text>\n";
     cap_y = L.margin + 2 * detail::kFontHeight + 4 + 9;
   }
-  out += "<text x=\"" + s(L.margin) + "\" y=\"" + s(cap_y) + "\" fill=\"#808080\">" + kCaption + "</text>\n";
+  out += "<text x=\"" + std::to_string(L.margin) + "\" y=\"" + std::to_string(cap_y) + "\" fill=\"#808080\">" + kCaption + "</text>\n";
   char buf[160];
   for (std::int64_t h = 0; h < g.H; ++h) {
     const int x0 = L.cells_x(h), y0 = L.cells_y(h);
-    out += "<g class=\"panel\" id=\"head" + s(h) + "\">\n<text x=\"" + s(L.panel_x(h)) + "\" y=\"" +
-           s(L.panel_y(h) + 9) + "\">" + xml_escape(panel_title(o, h)) + "</text>\n";
+    out += "<g class=\"panel\" id=\"head" + std::to_string(h) + "\">\n<text x=\"" + std::to_string(L.panel_x(h)) + "\" y=\"" +
+           std::to_string(L.panel_y(h) + 9) + "\">" + xml_escape(panel_title(o, h)) + "</text>\n";
     for (std::int64_t i = 0; i < g.Sq; ++i)
       for (std::int64_t j = 0; j < g.Sk; ++j) {
         const double w = g.at(h, i, j);
@@ -249,28 +248,28 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
                       detail::hex(colour(L, w)).c_str());
         out += buf;
         std::snprintf(buf, sizeof buf, "%.6g", w);
-        out += "<title>query " + s(i) + " " + xml_escape(label_at(row_labels, i)) + " -> key " + s(j) + " " +
+        out += "<title>query " + std::to_string(i) + " " + xml_escape(label_at(row_labels, i)) + " -> key " + std::to_string(j) + " " +
                xml_escape(label_at(col_labels, j)) + ": " + buf + "</title></rect>\n";
       }
     for (std::int64_t i = 0; i < g.Sq; i += L.label_step)
-      out += "<text class=\"row-label\" x=\"" + s(x0 - 4) + "\" y=\"" +
-             s(y0 + static_cast<int>(i) * L.cell + L.cell / 2 + 3) + "\" text-anchor=\"end\">" +
+      out += "<text class=\"row-label\" x=\"" + std::to_string(x0 - 4) + "\" y=\"" +
+             std::to_string(y0 + static_cast<int>(i) * L.cell + L.cell / 2 + 3) + "\" text-anchor=\"end\">" +
              xml_escape(label_at(row_labels, i)) + "</text>\n";
     for (std::int64_t j = 0; j < g.Sk; j += L.label_step) {
       const int x = x0 + static_cast<int>(j) * L.cell + L.cell / 2 + 3, y = y0 - 4;
-      out += "<text class=\"col-label\" x=\"" + s(x) + "\" y=\"" + s(y) + "\" transform=\"rotate(-90 " +
-             s(x) + " " + s(y) + ")\">" + xml_escape(label_at(col_labels, j)) + "</text>\n";
+      out += "<text class=\"col-label\" x=\"" + std::to_string(x) + "\" y=\"" + std::to_string(y) + "\" transform=\"rotate(-90 " +
+             std::to_string(x) + " " + std::to_string(y) + ")\">" + xml_escape(label_at(col_labels, j)) + "</text>\n";
     }
     out += "</g>\n";
   }
-  out += "<text x=\"" + s(L.bar_x) + "\" y=\"" + s(L.bar_y - 6) + "\">weight</text>\n";
-  out += "<rect class=\"colorbar\" x=\"" + s(L.bar_x) + "\" y=\"" + s(L.bar_y) + "\" width=\"" + s(L.bar_w) +
-         "\" height=\"" + s(L.bar_h) + "\" fill=\"url(#viridis)\"/>\n";
+  out += "<text x=\"" + std::to_string(L.bar_x) + "\" y=\"" + std::to_string(L.bar_y - 6) + "\">weight</text>\n";
+  out += "<rect class=\"colorbar\" x=\"" + std::to_string(L.bar_x) + "\" y=\"" + std::to_string(L.bar_y) + "\" width=\"" + std::to_string(L.bar_w) +
+         "\" height=\"" + std::to_string(L.bar_h) + "\" fill=\"url(#viridis)\"/>\n";
   for (int t = 0; t <= 4; ++t) {
     const int y = L.bar_y + static_cast<int>(std::lround((L.bar_h - 1) * (1.0 - t / 4.0)));
-    out += "<line x1=\"" + s(L.bar_x + L.bar_w) + "\" y1=\"" + s(y) + "\" x2=\"" + s(L.bar_x + L.bar_w + 4) +
-           "\" y2=\"" + s(y) + "\" stroke=\"#000\"/><text class=\"tick\" x=\"" + s(L.bar_x + L.bar_w + 6) +
-           "\" y=\"" + s(y + 3) + "\">" + detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4.0) +
+    out += "<line x1=\"" + std::to_string(L.bar_x + L.bar_w) + "\" y1=\"" + std::to_string(y) + "\" x2=\"" + std::to_string(L.bar_x + L.bar_w + 4) +
+           "\" y2=\"" + std::to_string(y) + "\" stroke=\"#000\"/><text class=\"tick\" x=\"" + std::to_string(L.bar_x + L.bar_w + 6) +
+           "\" y=\"" + std::to_string(y + 3) + "\">" + detail::tick_label(L.vmin + (L.vmax - L.vmin) * t / 4.0) +
            "</text>\n";
   }
   out += "</svg>\n";
@@ -280,21 +279,10 @@ std::string heatmap_svg(const TensorView& weights, const std::vector<std::string
 void write_heatmap(const std::filesystem::path& path, const TensorView& weights,
                    const std::vector<std::string>& row_labels, const std::vector<std::string>& col_labels,
                    const HeatmapOptions& o) {
-  const std::string ext = detail::extension_of(path);
-  if (ext == ".png") {
-    const auto png = encode_png(render_heatmap(weights, row_labels, col_labels, o));
-    write_file_atomic(path, png.data(), png.size());
-  } else if (ext == ".svg") {
-    const std::string svg =
-        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + heatmap_svg(weights, row_labels, col_labels, o);
-    write_file_atomic(path, svg.data(), svg.size());
-  } else if (ext == ".html" || ext == ".htm") {
-    const std::string page = detail::html_page(o.title.empty() ? "attention weights" : o.title,
-                                               heatmap_svg(weights, row_labels, col_labels, o));
-    write_file_atomic(path, page.data(), page.size());
-  } else {
-    throw Error("heatmap: expected a file name ending in .png, .svg or .html, got '" + path.string() + "'");
-  }
+  detail::write_figure(
+      path, "heatmap", o.title.empty() ? "attention weights" : o.title,
+      [&] { return render_heatmap(weights, row_labels, col_labels, o); },
+      [&] { return heatmap_svg(weights, row_labels, col_labels, o); });
 }
 
 }  // namespace qkv::explain

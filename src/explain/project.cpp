@@ -11,7 +11,6 @@
 namespace qkv::explain {
 namespace {
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 void need_float(const TensorView& t, const char* name) {
   const DType d = t.dtype();
@@ -49,19 +48,19 @@ Projected project_qkv(const TensorView& x, const TensorView& wq, const TensorVie
     throw Error("x: expected [S,d_model] or [B,S,d_model], got shape " + shape_str(x.shape()));
   need_float(x, "x");
   const std::int64_t B = x.rank() == 3 ? x.size(0) : 1, S = x.size(x.rank() - 2), dm = x.size(x.rank() - 1);
-  if (num_heads < 1) throw Error("num_heads: expected >= 1, got " + s(num_heads));
+  if (num_heads < 1) throw Error("num_heads: expected >= 1, got " + std::to_string(num_heads));
   for (auto [w, name] : {std::pair{&wq, "wq"}, std::pair{&wk, "wk"}, std::pair{&wv, "wv"}}) {
     need_float(*w, name);
     if (w->rank() != 2 || w->size(0) != dm)
-      throw Error(std::string(name) + ": expected [d_model, H*d] with d_model == x.d_model (" + s(dm) +
+      throw Error(std::string(name) + ": expected [d_model, H*d] with d_model == x.d_model (" + std::to_string(dm) +
                   "), got shape " + shape_str(w->shape()));
     if (w->size(1) % num_heads != 0 || w->size(1) == 0)
       throw Error(std::string(name) + ": expected a column count divisible by the number of heads (" +
-                  s(num_heads) + ") and > 0, got " + s(w->size(1)));
+                  std::to_string(num_heads) + ") and > 0, got " + std::to_string(w->size(1)));
   }
   if (wq.size(1) != wk.size(1))
-    throw Error("wk: expected as many columns as wq (" + s(wq.size(1)) + ": q.k needs equal d_k), got " +
-                s(wk.size(1)));
+    throw Error("wk: expected as many columns as wq (" + std::to_string(wq.size(1)) + ": q.k needs equal d_k), got " +
+                std::to_string(wk.size(1)));
   checked_numel({B * S, dm}, 8, "x");
   // BLAS takes int dimensions.
   constexpr std::int64_t kIntMax = 2147483647;

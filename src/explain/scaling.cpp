@@ -477,20 +477,9 @@ std::string plot_svg(const std::vector<Panel>& ps, const std::vector<ScalingRow>
 void write_scaling_plot(const std::filesystem::path& path, const std::vector<ScalingRow>& rows,
                         const ScalingOptions& o) {
   if (rows.empty()) throw Error("plot: expected at least one measured d_k");
-  const std::string ext = detail::extension_of(path);
   const auto ps = make_panels(rows, o);
-  if (ext == ".png") {
-    const auto png = encode_png(render_plot(ps, rows));
-    write_file_atomic(path, png.data(), png.size());
-  } else if (ext == ".svg") {
-    const std::string svg = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n" + plot_svg(ps, rows);
-    write_file_atomic(path, svg.data(), svg.size());
-  } else if (ext == ".html" || ext == ".htm") {
-    const std::string page = detail::html_page("the scaling argument, measured", plot_svg(ps, rows));
-    write_file_atomic(path, page.data(), page.size());
-  } else {
-    throw Error("plot: expected a file name ending in .png, .svg or .html, got '" + path.string() + "'");
-  }
+  detail::write_figure(path, "plot", "the scaling argument, measured", [&] { return render_plot(ps, rows); },
+                       [&] { return plot_svg(ps, rows); });
 }
 
 }  // namespace qkv::explain

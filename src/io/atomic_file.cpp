@@ -30,4 +30,8 @@ void write_file_atomically(const std::filesystem::path& path, const std::functio
   }
 }
 
+void write_file_atomically(const std::filesystem::path& path, std::string_view bytes) {
+  write_file_atomically(path, [&](std::ostream& f) { f.write(bytes.data(), static_cast<std::streamsize>(bytes.size())); });
+}
+
 }  // namespace qkv::detail

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <functional>
 #include <ostream>
+#include <string_view>
 
 namespace qkv::detail {
 
@@ -13,5 +14,7 @@ namespace qkv::detail {
 /// rename the finished file into place"). An exception thrown by `write` propagates after the
 /// same clean-up.
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
+/// The same for bytes already in memory.
+void write_file_atomically(const std::filesystem::path& path, std::string_view bytes);
 
 }  // namespace qkv::detail

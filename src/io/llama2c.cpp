@@ -9,11 +9,16 @@
 #include <limits>
 #include <string>
 
+#include "io/little_endian.hpp"
 #include "io/mapped_file.hpp"
 #include "qkv/error.hpp"
 
 namespace qkv {
 namespace {
+
+using detail::load_f32;
+using detail::load_i32;
+using detail::load_u32;
 
 constexpr std::uint32_t kMagic = 0x616b3432;  // "ak42" read as a little-endian uint32
 constexpr std::size_t kLegacyHeader = 28;     // 7 int32
@@ -24,14 +29,6 @@ constexpr std::uint64_t kAlign = 16;  // floats: each tensor starts on a 64-byte
 [[noreturn]] void fail(const std::string& name, const std::string& what) {
   throw Error(name + ": not a valid llama2.c checkpoint: " + what);
 }
-
-// Little-endian loads that are correct on any host and alignment.
-std::uint32_t load_u32(const std::byte* p) noexcept {
-  return static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
-         static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
-}
-std::int32_t load_i32(const std::byte* p) noexcept { return static_cast<std::int32_t>(load_u32(p)); }
-float load_f32(const std::byte* p) noexcept { return std::bit_cast<float>(load_u32(p)); }
 
 // Size arithmetic in uint64 that refuses to wrap.
 struct Sizes {

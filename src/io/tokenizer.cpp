@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "io/little_endian.hpp"
 #include "io/mapped_file.hpp"
 #include "qkv/error.hpp"
 
@@ -29,6 +30,8 @@ struct Tokenizer::Data {
 
 namespace {
 
+using detail::load_u32;
+
 constexpr int kMaxTokenLength = 1 << 16;
 constexpr int kBytePieces = 256;
 
@@ -41,11 +44,6 @@ constexpr std::array<char, 256> kBytes = [] {
 
 [[noreturn]] void fail(const std::string& name, const std::string& what) {
   throw Error(name + ": not a valid llama2.c tokenizer: " + what);
-}
-
-std::uint32_t load_u32(const std::byte* p) noexcept {
-  return static_cast<std::uint32_t>(p[0]) | static_cast<std::uint32_t>(p[1]) << 8 |
-         static_cast<std::uint32_t>(p[2]) << 16 | static_cast<std::uint32_t>(p[3]) << 24;
 }
 
 std::string byte_piece(int b) {

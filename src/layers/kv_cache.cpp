@@ -11,7 +11,6 @@
 namespace qkv {
 namespace {
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 void check_kv_input(const TensorView& t, const char* name, const char* axes, std::int64_t B, std::int64_t Hkv,
                     std::int64_t X, const char* xl) {
@@ -20,14 +19,14 @@ void check_kv_input(const TensorView& t, const char* name, const char* axes, std
                 shape_str(t.shape()));
   if (t.size(3) > 1 && t.stride(3) != 1)
     throw Error(std::string("kv_cache: ") + name +
-                ": expected a contiguous last dimension (stride 1), got stride " + s(t.stride(3)));
+                ": expected a contiguous last dimension (stride 1), got stride " + std::to_string(t.stride(3)));
   if (!detail::is_float_dtype(t.dtype()))
     throw Error(std::string("kv_cache: ") + name +
                 ": expected dtype float32, float64, float16 or bfloat16, got " +
                 std::string(dtype_name(t.dtype())));
   if (t.size(0) != B || t.size(1) != Hkv || t.size(3) != X)
-    throw Error(std::string("kv_cache: ") + name + ": expected " + axes + " with B = " + s(B) + ", Hkv = " +
-                s(Hkv) + ", " + xl + " = " + s(X) + " (the cache's), got shape " + shape_str(t.shape()));
+    throw Error(std::string("kv_cache: ") + name + ": expected " + axes + " with B = " + std::to_string(B) + ", Hkv = " +
+                std::to_string(Hkv) + ", " + xl + " = " + std::to_string(X) + " (the cache's), got shape " + shape_str(t.shape()));
   if (!t.data() && t.numel() > 0) throw Error(std::string("kv_cache: ") + name + ": data pointer is null");
 }
 
@@ -42,11 +41,11 @@ KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t cap
       Dv_(head_dim_v ? head_dim_v : head_dim),
       dtype_(dtype) {
   if (batch < 0 || num_kv_heads < 0 || capacity < 0)
-    throw Error("kv_cache: expected batch, num_kv_heads and capacity >= 0, got B = " + s(batch) +
-                ", Hkv = " + s(num_kv_heads) + ", capacity = " + s(capacity));
+    throw Error("kv_cache: expected batch, num_kv_heads and capacity >= 0, got B = " + std::to_string(batch) +
+                ", Hkv = " + std::to_string(num_kv_heads) + ", capacity = " + std::to_string(capacity));
   if (head_dim < 1 || head_dim_v < 0)
-    throw Error("kv_cache: expected head_dim D >= 1 and head_dim_v Dv >= 0 (0 = D), got D = " + s(head_dim) +
-                ", Dv = " + s(head_dim_v));
+    throw Error("kv_cache: expected head_dim D >= 1 and head_dim_v Dv >= 0 (0 = D), got D = " + std::to_string(head_dim) +
+                ", Dv = " + std::to_string(head_dim_v));
   if (!detail::is_float_dtype(dtype))
     throw Error("kv_cache: dtype: expected float32, float64, bfloat16 or float16, got " +
                 std::string(dtype_name(dtype)));
@@ -60,7 +59,7 @@ KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t cap
 
 std::int64_t KVCache::length(std::int64_t b) const {
   if (b < 0 || b >= B_)
-    throw Error("kv_cache: b: expected a sequence index in [0, " + s(B_) + "), got " + s(b));
+    throw Error("kv_cache: b: expected a sequence index in [0, " + std::to_string(B_) + "), got " + std::to_string(b));
   return lengths_[static_cast<std::size_t>(b)];
 }
 
@@ -82,10 +81,10 @@ TensorView KVCache::active_values() const {
 
 std::vector<std::int64_t> KVCache::next_positions(std::int64_t S,
                                                   std::span<const std::int64_t> counts) const {
-  if (S < 0) throw Error("kv_cache: S: expected a token count >= 0, got " + s(S));
+  if (S < 0) throw Error("kv_cache: S: expected a token count >= 0, got " + std::to_string(S));
   if (!counts.empty() && static_cast<std::int64_t>(counts.size()) != B_)
-    throw Error("kv_cache: counts: expected B = " + s(B_) + " entries, got " +
-                s(static_cast<std::int64_t>(counts.size())));
+    throw Error("kv_cache: counts: expected B = " + std::to_string(B_) + " entries, got " +
+                std::to_string(static_cast<std::int64_t>(counts.size())));
   std::vector<std::int64_t> pos(static_cast<std::size_t>(B_ * S));
   for (std::int64_t b = 0; b < B_; ++b) {
     const std::int64_t start = lengths_[static_cast<std::size_t>(b)] -
@@ -103,19 +102,19 @@ void KVCache::append(const TensorView& k, const TensorView& v, std::span<const s
   check_kv_input(v, "v", "[B,Hkv,S,Dv]", B_, Hkv_, Dv_, "Dv");
   const std::int64_t S = k.size(2);
   if (v.size(2) != S)
-    throw Error("kv_cache: v: expected [B,Hkv,S,Dv] with S == k.S (" + s(S) + "), got S = " + s(v.size(2)));
+    throw Error("kv_cache: v: expected [B,Hkv,S,Dv] with S == k.S (" + std::to_string(S) + "), got S = " + std::to_string(v.size(2)));
   if (!counts.empty() && static_cast<std::int64_t>(counts.size()) != B_)
-    throw Error("kv_cache: counts: expected B = " + s(B_) + " entries, got " +
-                s(static_cast<std::int64_t>(counts.size())));
+    throw Error("kv_cache: counts: expected B = " + std::to_string(B_) + " entries, got " +
+                std::to_string(static_cast<std::int64_t>(counts.size())));
   for (std::int64_t b = 0; b < B_; ++b) {
     const std::int64_t n = counts.empty() ? S : counts[static_cast<std::size_t>(b)];
     if (n < 0 || n > S)
-      throw Error("kv_cache: counts: expected each count in [0, S] = [0, " + s(S) + "], got " + s(n) +
-                  " at batch " + s(b));
+      throw Error("kv_cache: counts: expected each count in [0, S] = [0, " + std::to_string(S) + "], got " + std::to_string(n) +
+                  " at batch " + std::to_string(b));
     const std::int64_t len = lengths_[static_cast<std::size_t>(b)];
     if (n > capacity_ - len)
-      throw Error("kv_cache: append of " + s(n) + " tokens to sequence " + s(b) + " at length " + s(len) +
-                  " exceeds the capacity " + s(capacity_) + " (" + s(len + n) + " > " + s(capacity_) + ")");
+      throw Error("kv_cache: append of " + std::to_string(n) + " tokens to sequence " + std::to_string(b) + " at length " + std::to_string(len) +
+                  " exceeds the capacity " + std::to_string(capacity_) + " (" + std::to_string(len + n) + " > " + std::to_string(capacity_) + ")");
   }
   const std::size_t es = dtype_size(dtype_);
   const std::size_t kes = dtype_size(k.dtype()), ves = dtype_size(v.dtype());
@@ -149,7 +148,7 @@ void KVCache::attend(const TensorView& q, const TensorView& out, const Attention
     throw Error(
         "kv_cache: params.align: expected bottom_right (queries are the newest cached tokens), got top_left");
   if (q.rank() == 4 && q.size(0) != B_)
-    throw Error("kv_cache: q: expected [B,Hq,Sq,D] with B == cache B (" + s(B_) + "), got shape " +
+    throw Error("kv_cache: q: expected [B,Hq,Sq,D] with B == cache B (" + std::to_string(B_) + "), got shape " +
                 shape_str(q.shape()));
   AttentionParams p = params;
   const TensorView lens(lengths_.data(), DType::i64, {B_});
@@ -194,19 +193,19 @@ void KVCache::clear() noexcept {
 }
 
 void KVCache::truncate(std::int64_t length) {
-  if (length < 0) throw Error("kv_cache: length: expected >= 0, got " + s(length));
+  if (length < 0) throw Error("kv_cache: length: expected >= 0, got " + std::to_string(length));
   for (auto& l : lengths_) l = std::min(l, length);
   for (auto& w : widened_) w = std::min(w, length);
 }
 
 void KVCache::truncate(std::span<const std::int64_t> lengths) {
   if (static_cast<std::int64_t>(lengths.size()) != B_)
-    throw Error("kv_cache: lengths: expected B = " + s(B_) + " entries, got " +
-                s(static_cast<std::int64_t>(lengths.size())));
+    throw Error("kv_cache: lengths: expected B = " + std::to_string(B_) + " entries, got " +
+                std::to_string(static_cast<std::int64_t>(lengths.size())));
   for (std::size_t b = 0; b < lengths.size(); ++b)
     if (lengths[b] < 0)
-      throw Error("kv_cache: lengths: expected >= 0, got " + s(lengths[b]) + " at batch " +
-                  s(static_cast<std::int64_t>(b)));
+      throw Error("kv_cache: lengths: expected >= 0, got " + std::to_string(lengths[b]) + " at batch " +
+                  std::to_string(static_cast<std::int64_t>(b)));
   for (std::size_t b = 0; b < lengths.size(); ++b) {
     lengths_[b] = std::min(lengths_[b], lengths[b]);
     widened_[b] = std::min(widened_[b], lengths_[b]);

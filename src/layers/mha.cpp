@@ -20,7 +20,6 @@
 namespace qkv {
 namespace {
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 // Pitch (elements) between consecutive flattened (b, s) rows of a [B, S, width] layout with
 // strides s0, s1, or 0 if the rows are not evenly spaced at >= width apart.
@@ -73,14 +72,14 @@ void check_act(const TensorView& t, const char* name, const char* axes, std::int
                 std::string(dtype_name(t.dtype())));
   if (t.size(2) > 1 && t.stride(2) != 1)
     throw Error(std::string("mha: ") + name +
-                ": expected a contiguous last dimension (stride 1), got stride " + s(t.stride(2)));
+                ": expected a contiguous last dimension (stride 1), got stride " + std::to_string(t.stride(2)));
   if (t.size(2) != d_model)
-    throw Error(std::string("mha: ") + name + ": expected " + axes + " with d_model == " + s(d_model) +
-                ", got d_model = " + s(t.size(2)) + " in shape " + shape_str(t.shape()));
+    throw Error(std::string("mha: ") + name + ": expected " + axes + " with d_model == " + std::to_string(d_model) +
+                ", got d_model = " + std::to_string(t.size(2)) + " in shape " + shape_str(t.shape()));
   for (int a = 0; a < 2; ++a)
     if (t.stride(a) < 0) throw Error(std::string("mha: ") + name + ": negative strides are not supported");
   if (t.size(1) > 1 && t.stride(1) < t.size(2))
-    throw Error(std::string("mha: ") + name + ": rows overlap (stride of S " + s(t.stride(1)) +
+    throw Error(std::string("mha: ") + name + ": rows overlap (stride of S " + std::to_string(t.stride(1)) +
                 " < d_model)");
   if (t.size(1) > std::numeric_limits<int>::max() / std::max<std::int64_t>(1, t.size(0)) ||
       t.size(2) > std::numeric_limits<int>::max() || t.stride(0) > std::numeric_limits<int>::max() ||
@@ -171,29 +170,29 @@ PackedQkv project_packed(const TensorView& x, const Tensor& w_in, const float* b
 }  // namespace
 
 MultiHeadAttention::MultiHeadAttention(const MhaConfig& config) : cfg_(config) {
-  if (cfg_.d_model < 1) throw Error("mha: d_model: expected >= 1, got " + s(cfg_.d_model));
-  if (cfg_.num_heads < 1) throw Error("mha: num_heads: expected Hq >= 1, got " + s(cfg_.num_heads));
+  if (cfg_.d_model < 1) throw Error("mha: d_model: expected >= 1, got " + std::to_string(cfg_.d_model));
+  if (cfg_.num_heads < 1) throw Error("mha: num_heads: expected Hq >= 1, got " + std::to_string(cfg_.num_heads));
   if (cfg_.num_kv_heads < 0)
-    throw Error("mha: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + s(cfg_.num_kv_heads));
+    throw Error("mha: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + std::to_string(cfg_.num_kv_heads));
   if (cfg_.num_kv_heads == 0) cfg_.num_kv_heads = cfg_.num_heads;
   if (cfg_.num_heads % cfg_.num_kv_heads != 0)
     throw Error("mha: num_kv_heads: expected Hq % Hkv == 0 (grouped-query attention), got Hq = " +
-                s(cfg_.num_heads) + ", Hkv = " + s(cfg_.num_kv_heads));
+                std::to_string(cfg_.num_heads) + ", Hkv = " + std::to_string(cfg_.num_kv_heads));
   if (cfg_.head_dim < 0 || cfg_.head_dim_v < 0)
-    throw Error("mha: head_dim: expected D, Dv >= 0 (0 = default), got D = " + s(cfg_.head_dim) +
-                ", Dv = " + s(cfg_.head_dim_v));
+    throw Error("mha: head_dim: expected D, Dv >= 0 (0 = default), got D = " + std::to_string(cfg_.head_dim) +
+                ", Dv = " + std::to_string(cfg_.head_dim_v));
   if (cfg_.head_dim == 0) {
     if (cfg_.d_model % cfg_.num_heads != 0)
-      throw Error("mha: head_dim: d_model (" + s(cfg_.d_model) + ") is not divisible by num_heads (" +
-                  s(cfg_.num_heads) + "); give head_dim explicitly");
+      throw Error("mha: head_dim: d_model (" + std::to_string(cfg_.d_model) + ") is not divisible by num_heads (" +
+                  std::to_string(cfg_.num_heads) + "); give head_dim explicitly");
     cfg_.head_dim = cfg_.d_model / cfg_.num_heads;
   }
   if (cfg_.head_dim_v == 0) cfg_.head_dim_v = cfg_.head_dim;
   if (cfg_.rope) {
     const std::int64_t R = cfg_.rope->rotary_dim ? cfg_.rope->rotary_dim : cfg_.head_dim;
     if (R < 0 || R % 2 || R > cfg_.head_dim)
-      throw Error("mha: rope.rotary_dim: expected an even number in [0, D] = [0, " + s(cfg_.head_dim) +
-                  "] (0 = D), got " + s(R));
+      throw Error("mha: rope.rotary_dim: expected an even number in [0, D] = [0, " + std::to_string(cfg_.head_dim) +
+                  "] (0 = D), got " + std::to_string(R));
     if (!std::isfinite(cfg_.rope->theta) || cfg_.rope->theta <= 0)
       throw Error("mha: rope.theta: expected a finite number > 0, got " + std::to_string(cfg_.rope->theta));
   }
@@ -269,7 +268,7 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
   check_act(y, "y", "[B,Sq,d_model]", cfg_.d_model);
   const std::int64_t B = x_q.size(0), Sq = x_q.size(1), Sk = x_kv.size(1);
   if (x_kv.size(0) != B)
-    throw Error("mha: x_kv: expected [B,Sk,d_model] with B == x_q.B (" + s(B) + "), got shape " +
+    throw Error("mha: x_kv: expected [B,Sk,d_model] with B == x_q.B (" + std::to_string(B) + "), got shape " +
                 shape_str(x_kv.shape()));
   if (y.size(0) != B || y.size(1) != Sq)
     throw Error("mha: y: expected shape [B,Sq,d_model] = " + shape_str({B, Sq, cfg_.d_model}) + ", got " +
@@ -309,17 +308,17 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   const std::int64_t B = x.size(0), S = x.size(1);
   const std::int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, Dv = cfg_.head_dim_v;
   if (cache.batch() != B || cache.num_kv_heads() != Hkv || cache.head_dim() != D || cache.head_dim_v() != Dv)
-    throw Error("mha: cache: expected B = " + s(B) + ", Hkv = " + s(Hkv) + ", D = " + s(D) +
-                ", Dv = " + s(Dv) + ", got B = " + s(cache.batch()) + ", Hkv = " + s(cache.num_kv_heads()) +
-                ", D = " + s(cache.head_dim()) + ", Dv = " + s(cache.head_dim_v()));
+    throw Error("mha: cache: expected B = " + std::to_string(B) + ", Hkv = " + std::to_string(Hkv) + ", D = " + std::to_string(D) +
+                ", Dv = " + std::to_string(Dv) + ", got B = " + std::to_string(cache.batch()) + ", Hkv = " + std::to_string(cache.num_kv_heads()) +
+                ", D = " + std::to_string(cache.head_dim()) + ", Dv = " + std::to_string(cache.head_dim_v()));
   if (options.attention.kv_lens)
     throw Error(
         "mha: options.attention.kv_lens: expected none with a KV cache (the cache supplies the lengths)");
   for (std::int64_t b = 0; b < B; ++b)
     if (S > cache.capacity() - cache.length(b))
-      throw Error("kv_cache: append of " + s(S) + " tokens to sequence " + s(b) + " at length " +
-                  s(cache.length(b)) + " exceeds the capacity " + s(cache.capacity()) + " (" +
-                  s(cache.length(b) + S) + " > " + s(cache.capacity()) + ")");
+      throw Error("kv_cache: append of " + std::to_string(S) + " tokens to sequence " + std::to_string(b) + " at length " +
+                  std::to_string(cache.length(b)) + " exceeds the capacity " + std::to_string(cache.capacity()) + " (" +
+                  std::to_string(cache.length(b) + S) + " > " + std::to_string(cache.capacity()) + ")");
   const PackedQkv packed = project_packed(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
   const TensorView &q = packed.q, &k = packed.k, &v = packed.v;
   if (cfg_.rope) {

@@ -12,7 +12,6 @@
 namespace qkv {
 namespace {
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 using TensorMap = std::map<std::string, Tensor>;
 
@@ -100,11 +99,11 @@ std::int64_t cols(const Tensor* t) { return t->shape().size() == 2 ? t->shape()[
 
 MhaConfig infer_mha_config(const TensorMap& tensors, std::int64_t num_heads, std::int64_t num_kv_heads,
                            const std::string& prefix) {
-  if (num_heads < 1) throw Error("mha weights: num_heads: expected Hq >= 1, got " + s(num_heads));
+  if (num_heads < 1) throw Error("mha weights: num_heads: expected Hq >= 1, got " + std::to_string(num_heads));
   if (num_kv_heads < 0)
-    throw Error("mha weights: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + s(num_kv_heads));
+    throw Error("mha weights: num_kv_heads: expected Hkv >= 0 (0 = Hq), got " + std::to_string(num_kv_heads));
   const std::int64_t Hq = num_heads, Hkv = num_kv_heads ? num_kv_heads : num_heads;
-  if (Hq % Hkv) throw Error("mha weights: expected Hq % Hkv == 0, got Hq = " + s(Hq) + ", Hkv = " + s(Hkv));
+  if (Hq % Hkv) throw Error("mha weights: expected Hq % Hkv == 0, got Hq = " + std::to_string(Hq) + ", Hkv = " + std::to_string(Hkv));
   const Names n = lookup(tensors, prefix);
   if (n.o_w->shape().size() != 2)
     throw Error("mha weights: " + n.o_w_n + ": expected a 2-D [d_model, Hq*Dv] matrix, got shape " +
@@ -115,28 +114,28 @@ MhaConfig infer_mha_config(const TensorMap& tensors, std::int64_t num_heads, std
   c.d_model = rows(n.o_w);
   const std::int64_t o_in = cols(n.o_w);
   if (o_in % Hq)
-    throw Error("mha weights: " + n.o_w_n + ": expected [d_model, Hq*Dv] with Hq = " + s(Hq) + " dividing " +
-                s(o_in));
+    throw Error("mha weights: " + n.o_w_n + ": expected [d_model, Hq*Dv] with Hq = " + std::to_string(Hq) + " dividing " +
+                std::to_string(o_in));
   c.head_dim_v = o_in / Hq;
   if (n.in_w) {
     const std::int64_t r = rows(n.in_w), rest = r - Hkv * c.head_dim_v;
     if (r < 0 || rest <= 0 || rest % (Hq + Hkv))
       throw Error("mha weights: " + n.in_w_n +
-                  ": expected [Hq*D + Hkv*D + Hkv*Dv, d_model] with Hq = " + s(Hq) + ", Hkv = " + s(Hkv) +
-                  ", Dv = " + s(c.head_dim_v) + ", got shape " + shape_str(n.in_w->shape()));
+                  ": expected [Hq*D + Hkv*D + Hkv*Dv, d_model] with Hq = " + std::to_string(Hq) + ", Hkv = " + std::to_string(Hkv) +
+                  ", Dv = " + std::to_string(c.head_dim_v) + ", got shape " + shape_str(n.in_w->shape()));
     c.head_dim = rest / (Hq + Hkv);
   } else {
     const std::int64_t r = rows(n.q_w);
     if (r <= 0 || r % Hq)
-      throw Error("mha weights: " + n.q_w_n + ": expected [Hq*D, d_model] with Hq = " + s(Hq) +
+      throw Error("mha weights: " + n.q_w_n + ": expected [Hq*D, d_model] with Hq = " + std::to_string(Hq) +
                   ", got shape " + shape_str(n.q_w->shape()));
     c.head_dim = r / Hq;
   }
   c.qkv_bias = n.in_b || n.q_b;
   c.out_bias = n.o_b != nullptr;
   if (c.d_model < 1 || c.head_dim < 1 || c.head_dim_v < 1)
-    throw Error("mha weights: inferred an empty layer (d_model = " + s(c.d_model) + ", D = " + s(c.head_dim) +
-                ", Dv = " + s(c.head_dim_v) + ")");
+    throw Error("mha weights: inferred an empty layer (d_model = " + std::to_string(c.d_model) + ", D = " + std::to_string(c.head_dim) +
+                ", Dv = " + std::to_string(c.head_dim_v) + ")");
   return c;
 }
 
@@ -198,8 +197,8 @@ Tensor mask_from_torch(const std::optional<TensorView>& attn_mask,
                        std::int64_t Sq, std::int64_t Sk) {
   if (!attn_mask && !key_padding_mask) return {};
   if (B < 0 || Hq < 1 || Sq < 0 || Sk < 0)
-    throw Error("mask_from_torch: expected B, Sq, Sk >= 0 and Hq >= 1, got B = " + s(B) + ", Hq = " + s(Hq) +
-                ", Sq = " + s(Sq) + ", Sk = " + s(Sk));
+    throw Error("mask_from_torch: expected B, Sq, Sk >= 0 and Hq >= 1, got B = " + std::to_string(B) + ", Hq = " + std::to_string(Hq) +
+                ", Sq = " + std::to_string(Sq) + ", Sk = " + std::to_string(Sk));
   auto check_dtype = [](const TensorView& t, const char* name) {
     if (t.dtype() != DType::b8 && t.dtype() != DType::f32 && t.dtype() != DType::f64)
       throw Error(std::string("mask_from_torch: ") + name +

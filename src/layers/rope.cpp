@@ -12,7 +12,6 @@
 namespace qkv {
 namespace {
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 template <class T, class A>
 void rotate_row(T* x, const A* c, const A* sn, std::int64_t half, RopeStyle style) {
@@ -63,23 +62,23 @@ void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, co
   if (x.rank() != 4)
     throw Error("rope: x: expected a 4-D tensor [B,H,S,D], got shape " + shape_str(x.shape()));
   if (x.size(3) > 1 && x.stride(3) != 1)
-    throw Error("rope: x: expected a contiguous last dimension (stride 1), got stride " + s(x.stride(3)));
+    throw Error("rope: x: expected a contiguous last dimension (stride 1), got stride " + std::to_string(x.stride(3)));
   if (x.dtype() != DType::f32 && x.dtype() != DType::f64)
     throw Error("rope: x: expected dtype float32 or float64, got " + std::string(dtype_name(x.dtype())));
   const std::int64_t B = x.size(0), S = x.size(2), D = x.size(3);
   const std::int64_t R = config.rotary_dim == 0 ? D : config.rotary_dim;
   if (R < 0 || R % 2 != 0 || R > D)
-    throw Error("rope: rotary_dim: expected an even number in [0, D] = [0, " + s(D) + "] (0 = D), got " +
-                s(config.rotary_dim) + (config.rotary_dim == 0 ? " (D is odd)" : ""));
+    throw Error("rope: rotary_dim: expected an even number in [0, D] = [0, " + std::to_string(D) + "] (0 = D), got " +
+                std::to_string(config.rotary_dim) + (config.rotary_dim == 0 ? " (D is odd)" : ""));
   if (!std::isfinite(config.theta) || config.theta <= 0.0)
     throw Error("rope: theta: expected a finite number > 0, got " + std::to_string(config.theta));
   const auto n = static_cast<std::int64_t>(positions.size());
   if (n != S && n != B * S)
-    throw Error("rope: positions: expected S = " + s(S) + " or B*S = " + s(B * S) + " entries, got " + s(n));
+    throw Error("rope: positions: expected S = " + std::to_string(S) + " or B*S = " + std::to_string(B * S) + " entries, got " + std::to_string(n));
   for (std::int64_t i = 0; i < n; ++i)
     if (positions[static_cast<std::size_t>(i)] < 0)
       throw Error("rope: positions: expected every position >= 0, got " +
-                  s(positions[static_cast<std::size_t>(i)]) + " at index " + s(i));
+                  std::to_string(positions[static_cast<std::size_t>(i)]) + " at index " + std::to_string(i));
   if (x.numel() == 0 || R == 0) return;
   if (!x.data()) throw Error("rope: x: data pointer is null");
   const bool f32_angles = config.angles == RopeAngles::llama2c_f32;
@@ -99,7 +98,7 @@ void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, co
 void apply_rope(const TensorView& x, std::int64_t start, const RopeConfig& config) {
   if (x.rank() != 4)
     throw Error("rope: x: expected a 4-D tensor [B,H,S,D], got shape " + shape_str(x.shape()));
-  if (start < 0) throw Error("rope: start: expected a position >= 0, got " + s(start));
+  if (start < 0) throw Error("rope: start: expected a position >= 0, got " + std::to_string(start));
   std::vector<std::int64_t> pos(static_cast<std::size_t>(x.size(2)));
   for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = start + static_cast<std::int64_t>(i);
   apply_rope(x, pos, config);

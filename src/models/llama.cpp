@@ -18,7 +18,6 @@
 namespace qkv {
 namespace {
 
-std::string s(std::int64_t x) { return std::to_string(x); }
 
 // c[M, N] = a[M, K] w[N, K]^T + beta * c (row-major; w is a Linear-layout [out, in] matrix).
 void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c,
@@ -40,8 +39,8 @@ void rmsnorm(const float* x, const float* gain, float* out, std::int64_t rows, s
 void check_tokens(std::span<const int> tokens, int vocab, const char* what) {
   for (std::size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] < 0 || tokens[i] >= vocab)
-      throw Error(std::string(what) + ": token " + s(static_cast<std::int64_t>(i)) + " is " + s(tokens[i]) +
-                  ", expected an id in [0, vocab_size) = [0, " + s(vocab) + ")");
+      throw Error(std::string(what) + ": token " + std::to_string(static_cast<std::int64_t>(i)) + " is " + std::to_string(tokens[i]) +
+                  ", expected an id in [0, vocab_size) = [0, " + std::to_string(vocab) + ")");
 }
 
 }  // namespace
@@ -119,8 +118,8 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
   if (S == 0) throw Error("llama: tokens: expected at least one token, got none");
   check_tokens(tokens, m.vocab, "llama: tokens");
   if (S > m.max_seq - m.length)
-    throw Error("llama: tokens: " + s(S) + " more tokens at position " + s(m.length) +
-                " exceed max_seq_len (" + s(m.length + S) + " > " + s(m.max_seq) + ")");
+    throw Error("llama: tokens: " + std::to_string(S) + " more tokens at position " + std::to_string(m.length) +
+                " exceed max_seq_len (" + std::to_string(m.length + S) + " > " + std::to_string(m.max_seq) + ")");
   const int dim = m.dim, kv = m.kv_dim, hid = m.hidden, Si = static_cast<int>(S);
   const int N = dim + 2 * kv;
   Tensor x(DType::f32, {S, dim}), xb(DType::f32, {S, dim}), qkv(DType::f32, {S, N}),
@@ -191,8 +190,8 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
 
 const KVCache& Llama::cache(int layer) const {
   if (layer < 0 || layer >= impl_->L)
-    throw Error("llama: layer: expected an index in [0, n_layers) = [0, " + s(impl_->L) + "), got " +
-                s(layer));
+    throw Error("llama: layer: expected an index in [0, n_layers) = [0, " + std::to_string(impl_->L) + "), got " +
+                std::to_string(layer));
   return impl_->caches[static_cast<std::size_t>(layer)];
 }
 
@@ -220,8 +219,8 @@ TensorView Llama::values(int layer) const {
 Tensor Llama::attention_weights(int layer, std::int64_t pos) const {
   const TensorView qs = queries(layer);
   if (pos < 0 || pos >= impl_->length)
-    throw Error("llama: pos: expected a position in [0, length()) = [0, " + s(impl_->length) + "), got " +
-                s(pos));
+    throw Error("llama: pos: expected a position in [0, length()) = [0, " + std::to_string(impl_->length) + "), got " +
+                std::to_string(pos));
   const std::int64_t Hq = impl_->Hq, Hkv = impl_->Hkv, D = impl_->D, Sk = pos + 1;
   // Widen q of this position and keys 0..pos to float64 (exact), then the reference's probs.
   Tensor q(DType::f64, {1, Hq, 1, D}), k(DType::f64, {1, Hkv, Sk, D}), o(DType::f64, {1, Hq, 1, D});
@@ -261,11 +260,11 @@ std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
   const auto n = static_cast<std::int64_t>(prompt.size());
   if (n == 0) throw Error("generate: prompt: expected at least one token (BOS), got none");
   if (n > c.max_seq_len)
-    throw Error("generate: prompt: " + s(n) + " tokens (BOS included) exceed the model's max_seq_len (" +
-                s(c.max_seq_len) + ")");
+    throw Error("generate: prompt: " + std::to_string(n) + " tokens (BOS included) exceed the model's max_seq_len (" +
+                std::to_string(c.max_seq_len) + ")");
   if (steps < n || steps > c.max_seq_len)
-    throw Error("generate: steps: expected a count of positions in [prompt tokens, max_seq_len] = [" + s(n) +
-                ", " + s(c.max_seq_len) + "], got " + s(steps));
+    throw Error("generate: steps: expected a count of positions in [prompt tokens, max_seq_len] = [" + std::to_string(n) +
+                ", " + std::to_string(c.max_seq_len) + "], got " + std::to_string(steps));
   check_tokens(prompt, c.vocab_size, "generate: prompt");
   using clock = std::chrono::steady_clock;
   GenerationStats st;
@@ -283,7 +282,7 @@ std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
         sample(std::span<const float>(logits.data_as<const float>(), static_cast<std::size_t>(c.vocab_size)));
     if (next == Tokenizer::bos_id) break;
     if (next < 0 || next >= c.vocab_size)
-      throw Error("generate: sample: returned token " + s(next) + ", expected [0, " + s(c.vocab_size) + ")");
+      throw Error("generate: sample: returned token " + std::to_string(next) + ", expected [0, " + std::to_string(c.vocab_size) + ")");
     if (on_token) on_token(seq.back(), next);
     seq.push_back(next);
     ++st.generated_tokens;
