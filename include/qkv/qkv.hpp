@@ -2,6 +2,7 @@
 /// @file qkv.hpp
 /// Umbrella header: everything public in qkv.
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 #include "qkv/info.hpp"

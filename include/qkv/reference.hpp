@@ -19,4 +19,13 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const std::optional<TensorView>& softmax_lse = std::nullopt,
                const std::optional<TensorView>& probs = std::nullopt);
 
+/// Same arguments, shapes, dtypes and errors as qkv::attention_backward() (backward.hpp); the
+/// derivative of the five steps written literally in float64 (src/reference/backward.cpp). It
+/// recomputes P and O in float64 from q, k, v and reads neither `out` nor `softmax_lse`
+/// (they are validated like the fast path's).
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                        const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                        const AttentionParams& params = {});
+
 }  // namespace qkv::reference

@@ -64,4 +64,13 @@ struct Problem {
   }
 };
 
+/// The lowered form of one backward call (validate.cpp, lower_attention_backward). `fwd` holds
+/// q, k, v and the options as the forward's Problem does; its `out` and `lse` are the forward's
+/// O [B,Hq,Sq,Dv] and softmax_lse [B,Hq,Sq], here read, not written; `probs` is unused.
+struct BackwardProblem {
+  Problem fwd;
+  Operand dout;              // dO [B,Hq,Sq,Dv]
+  OutOperand dq, dk, dv;     // [B,Hq,Sq,D], [B,Hkv,Sk,D], [B,Hkv,Sk,Dv]
+};
+
 }  // namespace qkv::detail

@@ -271,4 +271,49 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
   return p;
 }
 
+BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                         const TensorView& out, const TensorView& softmax_lse,
+                                         const TensorView& grad_out, const TensorView& grad_q,
+                                         const TensorView& grad_k, const TensorView& grad_v,
+                                         const AttentionParams& params) {
+  BackwardProblem bp;
+  bp.fwd = lower_attention(q, k, v, out, params, softmax_lse, std::nullopt);
+  const Problem& p = bp.fwd;
+
+  check_rank4(grad_out, "grad_out", "[B,Hq,Sq,Dv]");
+  if (grad_out.shape() != out.shape())
+    throw Error("grad_out: expected the shape of out [B,Hq,Sq,Dv] = " + shape_str(out.shape()) + ", got " +
+                shape_str(grad_out.shape()));
+  if (!is_float_dtype(grad_out.dtype()))
+    throw Error("grad_out: expected dtype float32, float64, float16 or bfloat16, got " +
+                std::string(dtype_name(grad_out.dtype())));
+  bp.dout = {grad_out.data(), grad_out.dtype(), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2)};
+
+  struct Grad { const TensorView* t; const char* name; const char* axes; Shape want; OutOperand* dst; };
+  const Grad grads[] = {{&grad_q, "grad_q", "[B,Hq,Sq,D]", {p.B, p.Hq, p.Sq, p.D}, &bp.dq},
+                        {&grad_k, "grad_k", "[B,Hkv,Sk,D]", {p.B, p.Hkv, p.Sk, p.D}, &bp.dk},
+                        {&grad_v, "grad_v", "[B,Hkv,Sk,Dv]", {p.B, p.Hkv, p.Sk, p.Dv}, &bp.dv}};
+  for (const Grad& g : grads) {
+    check_rank4(*g.t, g.name, g.axes);
+    if (g.t->shape() != g.want)
+      throw Error(std::string(g.name) + ": expected shape " + g.axes + " = " + shape_str(g.want) + ", got " +
+                  shape_str(g.t->shape()));
+    if (g.t->dtype() != q.dtype() && g.t->dtype() != DType::f32)
+      throw Error(std::string(g.name) + ": expected dtype " + std::string(dtype_name(q.dtype())) +
+                  " (the dtype of q) or float32, got " + std::string(dtype_name(g.t->dtype())));
+    check_distinct(*g.t, g.name);
+    *g.dst = lower_out(*g.t);
+  }
+  // Every gradient is written while every other operand is read: all must be disjoint.
+  const std::pair<const TensorView*, const char*> inputs[] = {
+      {&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"}, {&grad_out, "grad_out"}};
+  for (std::size_t a = 0; a < 3; ++a) {
+    for (const auto& [t, n] : inputs) check_no_overlap(*grads[a].t, grads[a].name, *t, n);
+    if (params.mask) check_no_overlap(*grads[a].t, grads[a].name, *params.mask, "mask");
+    if (params.kv_lens) check_no_overlap(*grads[a].t, grads[a].name, *params.kv_lens, "kv_lens");
+    for (std::size_t b = a + 1; b < 3; ++b) check_no_overlap(*grads[b].t, grads[b].name, *grads[a].t, grads[a].name);
+  }
+  return bp;
+}
+
 }  // namespace qkv::detail

@@ -41,4 +41,8 @@ class ReferenceRows {
 /// (beyond std::bad_alloc).
 void reference_kernel(const Problem& p);
 
+/// The float64 backward (backward.cpp): dQ, dK, dV of `bp` written. Never throws (beyond
+/// std::bad_alloc).
+void reference_backward(const BackwardProblem& bp);
+
 }  // namespace qkv::detail
