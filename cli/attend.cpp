@@ -8,6 +8,7 @@
 #include "commands.hpp"
 #include "options.hpp"
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
 
@@ -16,6 +17,7 @@ namespace {
 
 struct AttendOptions {
   std::string q, k, v, out, lse, probs, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
+  std::string grad_out, grad_q, grad_k, grad_v;
   std::optional<double> scale;
   double softcap = 0.0;
   bool causal = false, reference = false;
@@ -39,13 +41,20 @@ void run_attend(const AttendOptions& o) {
   if (o.threads < 0)
     throw Error("--threads: expected an integer >= 0 (0 = all cores), got " + std::to_string(o.threads));
   // Each output is renamed into place: two flags naming one path would silently keep only one.
-  const std::pair<const char*, const std::string*> outs[] = {{"--out", &o.out}, {"--lse", &o.lse}, {"--probs", &o.probs}};
-  for (std::size_t a = 0; a < 3; ++a)
-    for (std::size_t b = a + 1; b < 3; ++b)
+  const std::pair<const char*, const std::string*> outs[] = {{"--out", &o.out},       {"--lse", &o.lse},
+                                                             {"--probs", &o.probs},   {"--grad-q", &o.grad_q},
+                                                             {"--grad-k", &o.grad_k}, {"--grad-v", &o.grad_v}};
+  for (std::size_t a = 0; a < std::size(outs); ++a)
+    for (std::size_t b = a + 1; b < std::size(outs); ++b)
       if (!outs[a].second->empty() && !outs[b].second->empty() &&
           std::filesystem::weakly_canonical(*outs[a].second) == std::filesystem::weakly_canonical(*outs[b].second))
         throw Error(std::string(outs[b].first) + ": expected a path different from " + outs[a].first + ", got '" +
                     *outs[b].second + "' for both");
+  const bool want_grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty();
+  if (want_grads && o.grad_out.empty())
+    throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v, got none");
+  if (!o.grad_out.empty() && !want_grads)
+    throw Error("--grad-out: expected at least one of --grad-q, --grad-k, --grad-v to write, got none");
   const bool bshd = o.layout == "bshd";
   auto to_bhsd = [&](const TensorView& t) { return bshd ? t.permute({0, 2, 1, 3}) : t; };
 
@@ -71,14 +80,29 @@ void run_attend(const AttendOptions& o) {
   Tensor out(DType::f32, out_shape);
   std::optional<Tensor> lse, probs;
   std::optional<TensorView> lse_view, probs_view;
-  if (!o.lse.empty()) { lse.emplace(DType::f32, Shape{B, Hq, Sq}); lse_view = lse->view(); }
+  if (!o.lse.empty() || want_grads) { lse.emplace(DType::f32, Shape{B, Hq, Sq}); lse_view = lse->view(); }
   if (!o.probs.empty()) {
     checked_numel({B, Hq, Sq, Sk}, 4, "--probs");
     probs.emplace(DType::f32, Shape{B, Hq, Sq, Sk});
     probs_view = probs->view();
   }
+  // The gradients, float32 in the input layout: dQ like q, dK like k, dV like v.
+  std::optional<NpyArray> dout_file;
+  std::optional<Tensor> dq, dk, dv;
+  if (want_grads) {
+    dout_file = read_input("--grad-out", o.grad_out);
+    auto like = [&](const TensorView& t) {
+      return Tensor(DType::f32, bshd ? Shape{t.size(0), t.size(2), t.size(1), t.size(3)} : t.shape());
+    };
+    dq.emplace(like(q));
+    dk.emplace(like(k));
+    dv.emplace(like(v));
+  }
   try {
     attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
+    if (want_grads)
+      attention_backward(q, k, v, to_bhsd(out.view()), *lse_view, to_bhsd(dout_file->view()), to_bhsd(dq->view()),
+                         to_bhsd(dk->view()), to_bhsd(dv->view()), p);
   } catch (const Error& e) {
     // The library speaks of [B,H,S,X] views; say so when the files hold [B,S,H,X].
     if (bshd) throw Error(std::string(e.what()) + " (--layout bshd: shapes shown as [B,H,S,X] views of the [B,S,H,X] files)");
@@ -98,8 +122,11 @@ void run_attend(const AttendOptions& o) {
     }
   };
   write(o.out, out.view());
-  if (lse) write(o.lse, lse->view());
+  if (!o.lse.empty()) write(o.lse, lse->view());
   if (probs) write(o.probs, probs->view());
+  if (!o.grad_q.empty()) write(o.grad_q, dq->view());
+  if (!o.grad_k.empty()) write(o.grad_k, dk->view());
+  if (!o.grad_v.empty()) write(o.grad_v, dv->view());
 }
 
 }  // namespace
@@ -122,7 +149,11 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--mask", o->mask, "bool (true = attend) or additive float mask, broadcastable to [B,Hq,Sq,Sk]");
   cmd->add_option("--kv-lens", o->kv_lens, "int32/int64 [B] key lengths");
   cmd->add_option("--softcap", o->softcap, "softcap c > 0: score = c*tanh(score/c)");
-  cmd->add_flag("--reference", o->reference, "run the float64 reference kernel");
+  cmd->add_option("--grad-out", o->grad_out, "dO, the gradient of the loss by out (the shape of out): computes the backward pass");
+  cmd->add_option("--grad-q", o->grad_q, "write dQ, float32, the shape of q");
+  cmd->add_option("--grad-k", o->grad_k, "write dK, float32, the shape of k");
+  cmd->add_option("--grad-v", o->grad_v, "write dV, float32, the shape of v");
+  cmd->add_flag("--reference", o->reference, "run the float64 reference kernels");
   cmd->add_option("--threads", o->threads, "threads (0 = all)");
   cmd->callback([o] { run_attend(*o); });
 }
