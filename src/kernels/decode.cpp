@@ -8,7 +8,7 @@
 // All query heads that share a KV head (GQA) and all Sq rows form one block of rows, so K and V
 // are read once per KV head, not once per query head.
 //
-// Fast path (attention_engine.hpp, process_fast): when the rows of a group are few (G x Sq <=
+// Fast path (engine/decode_fast.hpp, process_fast): when the rows of a group are few (G x Sq <=
 // min(kBq, 16)), D and Dv are multiples of the vector width, and there is no explicit mask and no
 // softcap, a chunk is processed without the padded row block: scores by D-vectorised FMAs, one
 // accumulator per (row, key), and for groups of 4 rows W / 4 keys at a time whose W sums are

@@ -1,4 +1,4 @@
-// The attention engine (src/kernels/attention_engine.hpp: FlashAttention-2 forward, Dao 2023
+// The attention engine (src/kernels/engine/engine.hpp: FlashAttention-2 forward, Dao 2023
 // Alg. 1, and flash-decoding) instantiated for AVX2 + FMA (+ F16C), 8 floats per vector.
 //
 // Tile traits: 32 query rows x 64 keys; QK^T microkernel MR keys x NQV vectors of 8 queries with
@@ -19,7 +19,7 @@
 #include "qkv/tensor.hpp"
 
 #define QKV_ENGINE_NS engine_avx2
-#include "kernels/attention_engine.hpp"
+#include "kernels/engine/engine.hpp"
 #include "kernels/isa_kernels.hpp"
 
 namespace qkv::detail {

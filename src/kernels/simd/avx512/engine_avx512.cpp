@@ -1,4 +1,4 @@
-// The attention engine (src/kernels/attention_engine.hpp: FlashAttention-2 forward, Dao 2023
+// The attention engine (src/kernels/engine/engine.hpp: FlashAttention-2 forward, Dao 2023
 // Alg. 1, and flash-decoding) instantiated for AVX-512 (F/BW/DQ/VL + FMA), 16 floats per vector,
 // with the AVX512_BF16 dot product (vdpbf16ps) for bfloat16 inputs when the CPU has it.
 //
@@ -33,7 +33,7 @@
 #include "qkv/tensor.hpp"
 
 #define QKV_ENGINE_NS engine_avx512
-#include "kernels/attention_engine.hpp"
+#include "kernels/engine/engine.hpp"
 #include "kernels/isa_kernels.hpp"
 
 namespace qkv::detail {

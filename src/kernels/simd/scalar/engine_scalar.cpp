@@ -1,4 +1,4 @@
-// The attention engine (src/kernels/attention_engine.hpp: FlashAttention-2 forward and
+// The attention engine (src/kernels/engine/engine.hpp: FlashAttention-2 forward and
 // flash-decoding, Dao 2023 Alg. 1) instantiated for portable C++: one float per "vector", exp
 // from libm (correctly rounded to within an ulp), fp32 accumulation. The fallback for CPUs
 // without AVX2 and for builds on other architectures. Its tests (tests/test_flash.cpp,
@@ -11,7 +11,7 @@
 #include "qkv/tensor.hpp"
 
 #define QKV_ENGINE_NS engine_scalar
-#include "kernels/attention_engine.hpp"
+#include "kernels/engine/engine.hpp"
 #include "kernels/isa_kernels.hpp"
 
 namespace qkv::detail {

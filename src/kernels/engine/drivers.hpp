@@ -1,0 +1,220 @@
+#pragma once
+// The drivers: the whole problem cut into work items for the threads (OpenMP).
+//
+// flash: the outer loop of FlashAttention-2 (Dao 2023, Algorithm 1), one work item per (batch,
+// head, group of up to kGroup query blocks), dynamically scheduled, head-major (the threads
+// share one head's K/V in cache), within a head largest causal blocks first; the blocks of a
+// group go through the same K/V tiles in lockstep (BlockProcessor::process_group), so each K/V
+// tile is fetched from L3/DRAM once per group.
+//
+// decode: flash-decoding (Dao, Haziza, Massa, Sizov 2023): one item per (batch, KV head, row
+// block, key chunk), where the rows are all query heads of one KV head times Sq (K and V read
+// once per KV head) and the chunk size depends only on the problem; each item leaves its
+// unnormalised O_c, m_c, l_c, and the chunk partials of each row are merged by log-sum-exp in
+// chunk order (merge_partials_lse).
+//
+// No result depends on the number of threads or on the schedule.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "core/problem.hpp"
+#include "kernels/engine/block.hpp"
+#include "kernels/engine/decode_fast.hpp"
+#include "kernels/engine/workspace.hpp"
+
+namespace qkv::detail::QKV_ENGINE_NS {
+
+template <class Ops>
+struct Drivers {
+  using Bp = BlockProcessor<Ops>;
+  using Fast = DecodeFast<Ops>;
+  using Wsp = Workspace<Ops>;
+  static constexpr int BQ = Ops::kBq;
+  static constexpr int BK = Ops::kBk;
+  static constexpr int kGroup = Bp::kGroup;
+
+  // ---- flash: the whole problem --------------------------------------------------------------
+  static std::size_t flash_ws(const Problem& p, int threads) { return kGroup * Wsp::ws_bytes(p) * threads; }
+
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void flash_impl(const Problem& p, char* ws, int threads) {
+    const i64 nqb = (p.Sq + BQ - 1) / BQ;
+    const i64 ngroup = (nqb + kGroup - 1) / kGroup;
+    const i64 items = ngroup * p.B * p.Hq;
+    const std::size_t wsb = Wsp::ws_bytes(p);
+#pragma omp parallel num_threads(threads)
+    {
+      char* mine = ws + kGroup * wsb * omp_get_thread_num();
+      Ws w[kGroup];
+      for (int x = 0; x < kGroup; ++x) w[x] = Wsp::carve(p, mine + x * wsb);
+      // The blocks of a group read the same K/V tiles: one converted or repacked copy of each.
+      for (int x = 1; x < kGroup; ++x) {
+        w[x].kbuf = w[0].kbuf;
+        w[x].vbuf = w[0].vbuf;
+        w[x].vp = w[0].vp;
+        w[x].tags = w[0].tags;
+      }
+#pragma omp for schedule(dynamic, 1)
+      for (i64 it = 0; it < items; ++it) {
+        // One item: a group of adjacent query blocks (process_group). Head-major: consecutive
+        // items, on every thread, share one head's K and V, which then stay in L2/L3 instead
+        // of cycling through all heads' K/V. Within a head, last query blocks first: under causal
+        // masks they see the most keys, and the small blocks at the end even out the threads.
+        const i64 gq = it % ngroup, bh = it / ngroup;
+        const i64 b = bh / p.Hq, h = bh % p.Hq;
+        Block blk[kGroup];
+        int g = 0;
+        for (i64 qb = nqb - 1 - kGroup * gq; g < kGroup && qb >= 0; --qb, ++g) blk[g] = make_block(p, b, h, qb, w[g]);
+        Bp::template process_group<E, DP, MASK, CAP>(p, blk, w, g);
+        for (int x = 0; x < g; ++x) Bp::finish(p, w[x], blk[x].n);
+      }
+    }
+  }
+
+  // Query block qb of (b, h): its rows into w.rows, its key range.
+  static Block make_block(const Problem& p, i64 b, i64 h, i64 qb, const Ws& w) {
+    const i64 i0 = qb * BQ;
+    Block blk;
+    blk.b = b;
+    blk.hk = p.kv_head(h);
+    blk.n = static_cast<int>(std::min<i64>(BQ, p.Sq - i0));
+    for (int r = 0; r < blk.n; ++r) w.rows[r] = Bp::make_row(p, b, h, i0 + r);
+    Bp::block_range(w, blk.n, blk.ka, blk.kb, blk.max_lo, blk.min_hi);
+    return blk;
+  }
+
+  // ---- decode: flash-decoding ------------------------------------------------------------------
+  // Rows of one (b, KV head): r = g * Sq + i for the G query heads g of the group.
+  static i64 decode_rows(const Problem& p) { return p.group() * p.Sq; }
+  // Keys per chunk, fixed by the problem alone (never by the thread count): at most 64 chunks per
+  // (b, KV head), at least kDecodeMinChunk keys each, partials bounded to about 16 MiB. Long
+  // chunks let each thread read K and V in long contiguous runs, which streams faster than
+  // 256-key chunks did (docs/performance.md). The price: fewer items to share out,
+  // B x Hkv x ceil(Sk / 4096) of them.
+  static constexpr i64 kDecodeMinChunk = 4096;
+  static i64 decode_chunk(const Problem& p) {
+    const i64 per_chunk_bytes = p.B * p.Hq * p.Sq * (Wsp::dvp(p) + 2) * 4;
+    const i64 max_chunks = std::clamp<i64>((i64{16} << 20) / std::max<i64>(per_chunk_bytes, 1), 1, 64);
+    const i64 c = std::max<i64>((p.Sk + max_chunks - 1) / max_chunks, kDecodeMinChunk);
+    return round_up(c, BK);
+  }
+  static i64 decode_nchunks(const Problem& p) {
+    return std::max<i64>(1, (p.Sk + decode_chunk(p) - 1) / decode_chunk(p));
+  }
+  static std::size_t decode_ws(const Problem& p, int threads) {
+    const i64 parts = p.B * p.Hq * p.Sq * decode_nchunks(p);
+    return Wsp::ws_bytes(p) * threads + align_up(parts * (Wsp::dvp(p) + 2) * sizeof(float));
+  }
+
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  static void decode_impl(const Problem& p, char* ws, int threads) {
+    const i64 R = decode_rows(p);
+    const i64 nrb = (R + BQ - 1) / BQ;
+    const i64 C = decode_chunk(p), NC = decode_nchunks(p);
+    const i64 Dvp = Wsp::dvp(p);
+    const std::size_t wsb = Wsp::ws_bytes(p);
+    // partials: [b][hk][chunk][R] rows of (Dvp accumulators, m, l)
+    float* parts = reinterpret_cast<float*>(ws + wsb * threads);
+    const i64 row_f = Dvp + 2;
+    const i64 items = p.B * p.Hkv * nrb * NC;
+    const i64 G = p.group();
+    const bool fast = Fast::decode_fast_ok(p);
+#pragma omp parallel num_threads(threads)
+    {
+      const Ws w = Wsp::carve(p, ws + wsb * omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+      for (i64 it = 0; it < items; ++it) {
+        const i64 c = it % NC;
+        const i64 rb = (it / NC) % nrb;
+        const i64 bhk = it / (NC * nrb);
+        const i64 b = bhk / p.Hkv, hk = bhk % p.Hkv;
+        const i64 r0 = rb * BQ;
+        const int n = static_cast<int>(std::min<i64>(BQ, R - r0));
+        for (int r = 0; r < n; ++r) {
+          const i64 rr = r0 + r;
+          w.rows[r] = Bp::make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
+        }
+        Block blk;
+        blk.b = b;
+        blk.hk = hk;
+        blk.n = n;
+        i64 lo, hi;
+        Bp::block_range(w, n, lo, hi, blk.max_lo, blk.min_hi);
+        blk.ka = std::max(lo, c * C);
+        blk.kb = std::min(hi, (c + 1) * C);
+        if constexpr (!MASK && !CAP) {
+          if (fast) Fast::template process_fast<E>(p, blk, w);
+          else Bp::template process<E, DP, MASK, CAP>(p, blk, w);
+        } else {
+          Bp::template process<E, DP, MASK, CAP>(p, blk, w);
+        }
+        float* dst = parts + ((bhk * NC + c) * R + r0) * row_f;
+        for (int r = 0; r < n; ++r) {
+          std::memcpy(dst + r * row_f, w.o + r * Dvp, Dvp * sizeof(float));
+          dst[r * row_f + Dvp] = w.m[r];
+          dst[r * row_f + Dvp + 1] = w.l[r];
+        }
+      }
+      // Merge the chunk partials of each row in chunk order (independent of the schedule).
+      const i64 rows_total = p.B * p.Hkv * R;
+#pragma omp for schedule(static)
+      for (i64 x = 0; x < rows_total; ++x) merge_partials_lse(p, parts, NC, R, Dvp, G, x, w);
+    }
+  }
+
+  // Row x = (b Hkv + hk) R + rr of the decode rows: its NC chunk partials (O_c, m_c, l_c) in
+  // `parts` ([b][hk][chunk][R] rows of Dvp accumulators, m, l) merged by log-sum-exp over the
+  // chunks that admitted a key (l_c != 0),
+  //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
+  // and written to out and softmax_lse. A NaN l_c makes the row NaN; a row with no admitted key
+  // is empty (0, lse = -inf). G: query heads per KV head. Uses w.o and w.vbuf as scratch.
+  [[gnu::always_inline]] static void merge_partials_lse(const Problem& p, const float* parts, i64 NC, i64 R,
+                                                        i64 Dvp, i64 G, i64 x, const Ws& w) {
+    const i64 row_f = Dvp + 2;
+    const i64 bhk = x / R, rr = x % R;
+    const i64 b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    float mx = neg_inf;
+    bool any = false, nan = false;
+    for (i64 c = 0; c < NC; ++c) {
+      const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
+      if (src[Dvp + 1] == 0.0f) continue;  // a chunk with no admissible key
+      any = true;
+      nan = nan || std::isnan(src[Dvp + 1]);
+      mx = std::max(mx, src[Dvp]);
+    }
+    // The merge accumulates in float64 (a few Dv-vectors per row: cheap), so it adds no
+    // rounding beyond the final one.
+    double* accd = reinterpret_cast<double*>(w.o);  // BQ * Dvp floats >= Dvp doubles
+    for (i64 d = 0; d < Dvp; ++d) accd[d] = 0.0;
+    double lsum = 0.0;
+    if (any && !nan) {
+      for (i64 c = 0; c < NC; ++c) {
+        const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
+        if (src[Dvp + 1] == 0.0f) continue;
+        const double a = std::exp(static_cast<double>(src[Dvp]) - static_cast<double>(mx));
+        lsum += a * src[Dvp + 1];
+        for (i64 d = 0; d < Dvp; ++d) accd[d] += a * src[d];
+      }
+    }
+    float* acc = w.vbuf;  // scratch: vbuf no longer holds a tile
+    w.tags[kTagV].kt = 0;
+    for (i64 d = 0; d < Dvp; ++d)
+      acc[d] = nan ? std::numeric_limits<float>::quiet_NaN() : any ? static_cast<float>(accd[d] / lsum) : 0.0f;
+    const Row row = Bp::make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
+    const bool empty = !any;
+    Bp::store_out(p, row.out_off, acc, 1.0f, empty, p.Dv);
+    if (p.lse.data)
+      Bp::store_scalar(p.lse.data, p.lse.dtype, row.lse_off,
+                       empty ? neg_inf : nan ? std::numeric_limits<float>::quiet_NaN()
+                                             : static_cast<float>(mx + std::log(lsum)));
+  }
+};
+
+}  // namespace qkv::detail::QKV_ENGINE_NS

@@ -1,0 +1,94 @@
+#pragma once
+// The tiled attention engine shared by the `flash` and `decode` kernels: FlashAttention-2
+// forward (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+// Partitioning", Algorithm 1), and for a few query rows flash-decoding (Dao, Haziza, Massa,
+// Sizov 2023), partial results merged by their log-sum-exp.
+//
+// ISA-independent: it is included by one translation unit per ISA
+// (src/kernels/simd/<isa>/engine_<isa>.cpp), which first defines QKV_ENGINE_NS (a namespace
+// private to that ISA, so that no inline function is shared between translation units compiled
+// with different instruction sets) and then a struct `Ops` giving the vector type, its width, the
+// tile sizes (the per-ISA constexpr traits) and the vector primitives (load, store, fma, max,
+// exp, ...).
+//
+// The parts, each usable on its own:
+//   workspace.hpp     the per-thread buffers of a block (the "on-chip" memory), Row, Prefetch
+//   microkernels.hpp  S = Q K^T and O = alpha O + P V on one tile, fp32 conversions
+//   block.hpp         one query block against its key tiles: online softmax, masks, the end
+//   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap)
+//   drivers.hpp       flash and decode over the whole problem, threads, the log-sum-exp merge
+// and here the one switch from run-time options to template parameters, and the entry points of
+// the IsaKernels table (kernels/isa_kernels.hpp).
+#include <cstddef>
+
+#include "core/problem.hpp"
+#include "kernels/engine/block.hpp"
+#include "kernels/engine/decode_fast.hpp"
+#include "kernels/engine/drivers.hpp"
+#include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/workspace.hpp"
+
+namespace qkv::detail::QKV_ENGINE_NS {
+
+template <class Ops>
+struct Engine {
+  using Dr = Drivers<Ops>;
+  static constexpr int W = Ops::W;
+
+  // ---- the one switch from run-time options to template parameters --------------------------
+  template <template <Elt, bool, bool, bool> class Fn>
+  static void dispatch(const Problem& p, char* ws, int threads, bool bf16_dot) {
+    const bool mask = p.mask.data != nullptr, cap = p.softcap > 0.0;
+    auto with_opts = [&]<Elt E, bool DP>() {
+      if (mask) {
+        if (cap) Fn<E, DP, true, true>::run(p, ws, threads);
+        else Fn<E, DP, true, false>::run(p, ws, threads);
+      } else {
+        if (cap) Fn<E, DP, false, true>::run(p, ws, threads);
+        else Fn<E, DP, false, false>::run(p, ws, threads);
+      }
+    };
+    switch (p.q.dtype) {
+      case DType::bf16:
+        if constexpr (Ops::kHasDpbf16) {
+          if (bf16_dot) { with_opts.template operator()<Elt::bf16, true>(); break; }
+        }
+        with_opts.template operator()<Elt::bf16, false>();
+        break;
+      case DType::f16: with_opts.template operator()<Elt::f16, false>(); break;
+      default: with_opts.template operator()<Elt::f32, false>(); break;
+    }
+  }
+
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  struct FlashFn {
+    static void run(const Problem& p, char* ws, int t) { Dr::template flash_impl<E, DP, MASK, CAP>(p, ws, t); }
+  };
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  struct DecodeFn {
+    static void run(const Problem& p, char* ws, int t) { Dr::template decode_impl<E, DP, MASK, CAP>(p, ws, t); }
+  };
+
+  /// The engine's vector exp on an array (for its accuracy test).
+  static void exp_array(const float* x, float* y, i64 n) {
+    i64 i = 0;
+    for (; i + W <= n; i += W) Ops::store(y + i, Ops::exp(Ops::load(x + i)));
+    if (i < n) {
+      float tx[W], ty[W];
+      for (int t = 0; t < W; ++t) tx[t] = i + t < n ? x[i + t] : 0.0f;
+      Ops::store(ty, Ops::exp(Ops::load(tx)));
+      for (int t = 0; i + t < n; ++t) y[i + t] = ty[t];
+    }
+  }
+
+  static std::size_t flash_workspace(const Problem& p, int threads, bool) { return Dr::flash_ws(p, threads); }
+  static void flash_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
+    dispatch<FlashFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+  }
+  static std::size_t decode_workspace(const Problem& p, int threads, bool) { return Dr::decode_ws(p, threads); }
+  static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
+    dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+  }
+};
+
+}  // namespace qkv::detail::QKV_ENGINE_NS
