@@ -28,6 +28,7 @@
 #include <limits>
 
 #include "core/problem.hpp"
+#include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "qkv/tensor.hpp"
@@ -42,7 +43,7 @@ struct Block {
   i64 max_lo, min_hi;
 };
 
-template <class Ops>
+template <IsaOps Ops>
 struct BlockProcessor {
   using V = typename Ops::V;
   using Mk = Microkernels<Ops>;

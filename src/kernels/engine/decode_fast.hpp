@@ -23,12 +23,13 @@
 
 #include "core/problem.hpp"
 #include "kernels/engine/block.hpp"
+#include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
-template <class Ops>
+template <IsaOps Ops>
 struct DecodeFast {
   using V = typename Ops::V;
   using Mk = Microkernels<Ops>;

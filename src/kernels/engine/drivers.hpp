@@ -26,11 +26,12 @@
 #include "core/problem.hpp"
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/decode_fast.hpp"
+#include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
-template <class Ops>
+template <IsaOps Ops>
 struct Drivers {
   using Bp = BlockProcessor<Ops>;
   using Fast = DecodeFast<Ops>;

@@ -9,7 +9,7 @@
 // private to that ISA, so that no inline function is shared between translation units compiled
 // with different instruction sets) and then a struct `Ops` giving the vector type, its width, the
 // tile sizes (the per-ISA constexpr traits) and the vector primitives (load, store, fma, max,
-// exp, ...).
+// exp, ...), the contract that the concept IsaOps (isa_ops.hpp) states.
 //
 // The parts, each usable on its own:
 //   workspace.hpp     the per-thread buffers of a block (the "on-chip" memory), Row, Prefetch
@@ -25,12 +25,13 @@
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/decode_fast.hpp"
 #include "kernels/engine/drivers.hpp"
+#include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
-template <class Ops>
+template <IsaOps Ops>
 struct Engine {
   using Dr = Drivers<Ops>;
   static constexpr int W = Ops::W;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
@@ -27,7 +28,7 @@ inline float bf16_bits_to_float(std::uint16_t b) {
   return f;
 }
 
-template <class Ops>
+template <IsaOps Ops>
 struct Microkernels {
   using V = typename Ops::V;
   static constexpr int W = Ops::W;
@@ -103,7 +104,6 @@ struct Microkernels {
   static void qk_tile(const float* qt, int nqv, const float* k, i64 ks, i64 D, int kt, float* s, int ssp,
                       Prefetch& pf) {
     const int sp = nqv * W;
-    static_assert(NQV_MAX <= 8);
     switch (nqv) {
       case 1: qk_rows<1>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
       case 2: if constexpr (NQV_MAX >= 2) qk_rows<2>(qt, sp, k, ks, D, kt, s, ssp, pf); break;

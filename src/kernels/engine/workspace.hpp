@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "core/problem.hpp"
+#include "kernels/engine/isa_ops.hpp"
 
 #ifndef QKV_ENGINE_NS
 #error "define QKV_ENGINE_NS before including kernels/engine/workspace.hpp"
@@ -102,7 +103,7 @@ struct Ws {
 enum { kTagK, kTagV, kTagVp };
 
 /// The sizes of one block's buffers for an ISA's tile traits.
-template <class Ops>
+template <IsaOps Ops>
 struct Workspace {
   static constexpr int W = Ops::W;
   static constexpr int BQ = Ops::kBq;

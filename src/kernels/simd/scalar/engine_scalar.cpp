@@ -49,6 +49,8 @@ struct Ops {
   }
 };
 
+static_assert(IsaOps<Ops>, "Ops must provide what the engine uses (kernels/engine/isa_ops.hpp)");
+
 using E = Engine<Ops>;
 
 }  // namespace engine_scalar
