@@ -165,15 +165,16 @@ std::int64_t pick_position(const Tokenizer& tok, const std::vector<int>& seq, st
 
 void run_model_demo() {
   namespace fs = std::filesystem;
-  const fs::path mp = default_model_path(), tp = default_tokenizer_path();
   std::printf("\nA real model: stories260K, a Llama-2 trained on children's stories (5 layers, 8 query heads\n"
               "sharing 4 KV heads, head_dim 8), every attention call on qkv.\n");
-  if (!fs::is_regular_file(mp) || !fs::is_regular_file(tp)) {
-    std::printf("skipped: model files not found (looked for %s and %s;\n"
+  const ModelSearch found = find_default_model();
+  if (!found.found) {
+    std::printf("skipped: model files not found (%s and %s, looked in %s;\n"
                 "set QKV_MODELS_DIR to a folder that holds stories260K/)\n",
-                mp.string().c_str(), tp.string().c_str());
+                kModelFile, kTokenizerFile, tried_list(found).c_str());
     return;
   }
+  const fs::path mp = *found.found / kModelFile, tp = *found.found / kTokenizerFile;
   const Llama2cModel weights = read_llama2c(mp);
   const Tokenizer tok = read_tokenizer(tp, weights.config.vocab_size);
   LlamaOptions opts;

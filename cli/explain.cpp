@@ -28,7 +28,7 @@ namespace {
 struct ExplainOptions {
   std::string q, k, v, x, wq, wk, wv, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
   std::string labels, labels_file, out_dir;
-  std::string model, tokenizer = default_tokenizer_path().string(), prompt;
+  std::string model, tokenizer, prompt;  // empty model/tokenizer: the default model (models.hpp)
   bool model_given = false, prompt_given = false;
   std::optional<int> layer;
   std::vector<std::string> heatmaps, plots;
@@ -436,11 +436,12 @@ void add_explain(CLI::App& app) {
       cmd->add_option("--model", o->model,
                       "a llama2.c checkpoint: explain one layer of it run on --prompt (default, also when "
                       "--model is given without a value: " +
-                          default_model_path().string() + ")")
+                          default_model_help(kModelFile) + ")")
           ->expected(0, 1);
   auto* prompt_opt = cmd->add_option("--prompt", o->prompt,
                                      "with --model: the text to run (BOS and a leading space are added)");
-  cmd->add_option("--tokenizer", o->tokenizer, "with --model: llama2.c tokenizer.bin")->capture_default_str();
+  cmd->add_option("--tokenizer", o->tokenizer,
+                  "with --model: llama2.c tokenizer.bin (default: " + default_model_help(kTokenizerFile) + ")");
   cmd->add_option("--layer", o->layer, "with --model: the layer whose attention is traced (0 = first)");
   cmd->add_flag("--scaling", o->scaling, "measure the scaling argument on random N(0,1) vectors");
   cmd->add_option("--d-k", o->d_k, "with --scaling: head dimensions to measure")->delimiter(',');

@@ -17,8 +17,7 @@ namespace qkv::cli {
 namespace {
 
 struct GenerateOptions {
-  std::string model = default_model_path().string();
-  std::string tokenizer = default_tokenizer_path().string();
+  std::string model, tokenizer;  // empty: the default model's files (models.hpp)
   std::string prompt;
   int steps = 256;
   double temperature = 1.0;
@@ -87,9 +86,11 @@ void add_generate(CLI::App& app) {
   auto opts = std::make_shared<GenerateOptions>();
   auto* cmd =
       app.add_subcommand("generate", "Generate text with a llama2.c checkpoint (Llama-2 on qkv attention)");
-  cmd->add_option("--model", opts->model, "llama2.c checkpoint (version 0 float32 or version 2 Q8_0)")
-      ->capture_default_str();
-  cmd->add_option("--tokenizer", opts->tokenizer, "llama2.c tokenizer.bin")->capture_default_str();
+  cmd->add_option("--model", opts->model,
+                  "llama2.c checkpoint (version 0 float32 or version 2 Q8_0; default: " +
+                      default_model_help(kModelFile) + ")");
+  cmd->add_option("--tokenizer", opts->tokenizer,
+                  "llama2.c tokenizer.bin (default: " + default_model_help(kTokenizerFile) + ")");
   cmd->add_option("--prompt", opts->prompt, "text to continue (BOS and a leading space are added)");
   cmd->add_option("--steps", opts->steps, "positions to run, the prompt's tokens included (<= max_seq_len)")
       ->capture_default_str();

@@ -21,7 +21,7 @@ using namespace qkv;
 
 namespace {
 
-const fs::path kDir = fs::path(QKV_SHARED_DIR) / "models/stories260K";
+const fs::path kDir = fs::path(QKV_SOURCE_DIR) / "models/stories260K";
 const std::string kStart =
     "Once upon a time, there was a little girl named Lily. She loved to play outside in the park.";
 

@@ -23,7 +23,7 @@ using qkv::test::TempDir;
 
 namespace {
 
-const fs::path kDir = fs::path(QKV_SHARED_DIR) / "models/stories260K";
+const fs::path kDir = fs::path(QKV_SOURCE_DIR) / "models/stories260K";
 const fs::path kV0 = kDir / "stories260K.bin";
 const fs::path kQ80 = kDir / "stories260K_q80.bin";
 

@@ -22,7 +22,7 @@ using qkv::test::TempDir;
 
 namespace {
 
-const fs::path kTok = fs::path(QKV_SHARED_DIR) / "models/stories260K/tok512.bin";
+const fs::path kTok = fs::path(QKV_SOURCE_DIR) / "models/stories260K/tok512.bin";
 
 struct Piece {
   float score;

@@ -18,7 +18,7 @@ namespace {
 const qkv::Tokenizer& real_vocab() {
   static const qkv::Tokenizer t = [] {
     const char* env = std::getenv("QKV_FUZZ_TOKENIZER");
-    return qkv::read_tokenizer(env ? env : QKV_SHARED_DIR "/models/stories260K/tok512.bin", 512);
+    return qkv::read_tokenizer(env ? env : QKV_SOURCE_DIR "/models/stories260K/tok512.bin", 512);
   }();
   return t;
 }

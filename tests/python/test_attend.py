@@ -440,7 +440,7 @@ def demo_and_info():
     rc, out, err = run(["demo"])
     check("demo: exit 0", rc == 0, err)
     ok_lines = [l for l in out.splitlines() if l.startswith("check:")]
-    # Two checks of the embedded example, and a third of the model when ../shared/models is there.
+    # Two checks of the embedded example, and a third of the model when the bundled model is found.
     check("demo: every check OK", len(ok_lines) >= 2 and all(l.endswith("OK") for l in ok_lines), str(ok_lines))
     check("demo: no MISMATCH", "MISMATCH" not in out)
     sums = [l for l in out.splitlines() if l.startswith("row sums:")]

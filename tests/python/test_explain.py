@@ -168,7 +168,7 @@ def test_model(tmp):
 
     # One head, one row, explicit model and tokenizer paths (bare --model = the default model).
     i = labels.index("\u2581She")
-    model_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared", "models", "stories260K")
+    model_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "models", "stories260K")
     for model_args in (["--model"], ["--model", os.path.join(model_dir, "stories260K.bin"), "--tokenizer",
                                      os.path.join(model_dir, "tok512.bin")]):
         p = run("explain", *model_args, "--prompt", MODEL_PROMPT, "--layer", "2", "--head", "3", "--query", str(i), "--top", "1")

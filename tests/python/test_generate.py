@@ -14,7 +14,7 @@ import tempfile
 
 QKV = os.path.abspath(sys.argv[1])
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODELS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "shared", "models"))
+MODELS = os.path.normpath(os.path.join(HERE, "..", "..", "models"))  # the repository's bundled model
 DIR = os.path.join(MODELS, "stories260K")
 V0 = os.path.join(DIR, "stories260K.bin")
 Q80 = os.path.join(DIR, "stories260K_q80.bin")
@@ -54,16 +54,20 @@ for name, model in (("v0", V0), ("q80", Q80)):
 rc, out_ref, err = gen("--prompt", "Once upon a time", "--temperature", "0", "--steps", "64", "--reference")
 check("greedy --reference: same text as the default kernels", rc == 0 and out_ref.startswith(START), out_ref[:200])
 
-# Defaults point at the shared model: run from the repository root without --model/--tokenizer.
+# Without --model/--tokenizer the binary finds the bundled model from its own location (the
+# source tree above the build folder), whatever the working directory.
 root = os.path.normpath(os.path.join(HERE, "..", ".."))
-rc, out, err = run(["generate", "--prompt", "Once upon a time", "--temperature", "0", "--steps", "40"], cwd=root)
-check("defaults find the shared model", rc == 0 and out.startswith(START[:60]), err + out[:100])
+for where in (root, TMP):
+    rc, out, err = run(["generate", "--prompt", "Once upon a time", "--temperature", "0", "--steps", "40"], cwd=where)
+    check(f"defaults find the bundled model (cwd {where})", rc == 0 and out.startswith(START[:60]), err + out[:100])
 # ... or the folder QKV_MODELS_DIR names.
 rc, out, err = run(["generate", "--prompt", "Once upon a time", "--temperature", "0", "--steps", "40"],
                    env={"QKV_MODELS_DIR": MODELS}, cwd=TMP)
 check("QKV_MODELS_DIR is honoured", rc == 0 and out.startswith(START[:60]), err)
 rc, out, err = run(["generate", "--steps", "10"], env={"QKV_MODELS_DIR": TMP})
 check("QKV_MODELS_DIR without the model: exit 2 naming the path", rc == 2 and TMP in err, err)
+check("QKV_MODELS_DIR without the model: one line naming --model", err.startswith("qkv: error: --model:")
+      and len(err.strip().splitlines()) == 1 and out == "", err)
 
 # --steps counts positions including the prompt's: 5 prompt tokens + steps 6 -> 2 sampled tokens.
 rc, out, err = gen("--prompt", "Once upon a time", "--temperature", "0", "--steps", "6")
