@@ -25,6 +25,7 @@
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/with_int.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
@@ -114,12 +115,9 @@ struct DecodeFast {
                       Prefetch& pf) {
     int r = 0;
     for (; r + kQkRows <= n; r += kQkRows) fast_qk_rows<E, kQkRows>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
-    switch (n - r) {
-      case 1: fast_qk_rows<E, 1>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
-      case 2: fast_qk_rows<E, 2>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
-      case 3: fast_qk_rows<E, 3>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf); break;
-      default: break;
-    }
+    with_int<1, kQkRows - 1>(n - r, [&]<int MR>() __attribute__((always_inline)) {
+      fast_qk_rows<E, MR>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
+    });
     pf.rest();
   }
 
@@ -187,12 +185,9 @@ struct DecodeFast {
     int r = 0;
     for (; r + 4 <= n; r += 4)
       fast_pv_rows<E, 4, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf);
-    switch (n - r) {
-      case 1: fast_pv_rows<E, 1, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf); break;
-      case 2: fast_pv_rows<E, 2, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf); break;
-      case 3: fast_pv_rows<E, 3, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf); break;
-      default: break;
-    }
+    with_int<1, 3>(n - r, [&]<int MR>() __attribute__((always_inline)) {
+      fast_pv_rows<E, MR, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf);
+    });
     pf.rest();
   }
 
@@ -400,19 +395,10 @@ struct DecodeFast {
   template <Elt E>
   static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
     if (blk.n == 1) {
-      if (p.D == p.Dv && p.D / W <= kStreamRegs) {
-        switch (p.D / W) {
-          case 1: return process_fast_stream_regs<E, 1>(p, blk, w);
-          case 2: if constexpr (kStreamRegs >= 2) return process_fast_stream_regs<E, 2>(p, blk, w); break;
-          case 3: if constexpr (kStreamRegs >= 3) return process_fast_stream_regs<E, 3>(p, blk, w); break;
-          case 4: if constexpr (kStreamRegs >= 4) return process_fast_stream_regs<E, 4>(p, blk, w); break;
-          case 5: if constexpr (kStreamRegs >= 5) return process_fast_stream_regs<E, 5>(p, blk, w); break;
-          case 6: if constexpr (kStreamRegs >= 6) return process_fast_stream_regs<E, 6>(p, blk, w); break;
-          case 7: if constexpr (kStreamRegs >= 7) return process_fast_stream_regs<E, 7>(p, blk, w); break;
-          case 8: if constexpr (kStreamRegs >= 8) return process_fast_stream_regs<E, 8>(p, blk, w); break;
-          default: break;
-        }
-      }
+      // q and the output row in registers when they fit: D = Dv = N vectors, N <= kStreamRegs.
+      if (p.D == p.Dv &&
+          with_int<1, kStreamRegs>(p.D / W, [&]<int N>() __attribute__((always_inline)) { process_fast_stream_regs<E, N>(p, blk, w); }))
+        return;
       return process_fast_stream<E>(p, blk, w);
     }
     process_fast_tiles<E>(p, blk, w);

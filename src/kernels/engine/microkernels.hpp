@@ -14,6 +14,7 @@
 #include <cstring>
 
 #include "kernels/engine/isa_ops.hpp"
+#include "kernels/engine/with_int.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
@@ -104,17 +105,7 @@ struct Microkernels {
   static void qk_tile(const float* qt, int nqv, const float* k, i64 ks, i64 D, int kt, float* s, int ssp,
                       Prefetch& pf) {
     const int sp = nqv * W;
-    switch (nqv) {
-      case 1: qk_rows<1>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 2: if constexpr (NQV_MAX >= 2) qk_rows<2>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 3: if constexpr (NQV_MAX >= 3) qk_rows<3>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 4: if constexpr (NQV_MAX >= 4) qk_rows<4>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 5: if constexpr (NQV_MAX >= 5) qk_rows<5>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 6: if constexpr (NQV_MAX >= 6) qk_rows<6>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 7: if constexpr (NQV_MAX >= 7) qk_rows<7>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      case 8: if constexpr (NQV_MAX >= 8) qk_rows<8>(qt, sp, k, ks, D, kt, s, ssp, pf); break;
-      default: break;
-    }
+    with_int<1, NQV_MAX>(nqv, [&]<int NQV>() __attribute__((always_inline)) { qk_rows<NQV>(qt, sp, k, ks, D, kt, s, ssp, pf); });
     pf.rest();
   }
 

@@ -214,13 +214,8 @@ struct Ops {
 
   static void qk_bf16(const std::uint32_t* qp, int nqv, const std::uint16_t* k, std::int64_t ks,
                       std::int64_t D, int kt, float* s, int ssp) {
-    const int sp = nqv * 16;
-    switch (nqv) {
-      case 1: qk_bf16_rows<1>(qp, sp, k, ks, D, kt, s, ssp); break;
-      case 2: qk_bf16_rows<2>(qp, sp, k, ks, D, kt, s, ssp); break;
-      case 3: qk_bf16_rows<3>(qp, sp, k, ks, D, kt, s, ssp); break;
-      default: qk_bf16_rows<4>(qp, sp, k, ks, D, kt, s, ssp); break;
-    }
+    const int sp = nqv * 16;  // nqv = 1 .. kBq / 16
+    with_int<1, kBq / 16>(nqv, [&]<int NQV>() __attribute__((always_inline)) { qk_bf16_rows<NQV>(qp, sp, k, ks, D, kt, s, ssp); });
   }
 
   // pp[jp][i] = (bf16(P[2jp][i]), bf16(P[2jp+1][i])), a missing last key paired with 0.
