@@ -45,7 +45,7 @@ void decode_kernel(const Problem& p) {
   bool dot = false;
   const IsaKernels& k = active_isa_kernels(dot);
   const int threads = call_threads(p);
-  k.decode_forward(p, thread_workspace(k.decode_workspace(p, threads, dot)), threads, dot);
+  k.decode_forward(p, thread_workspace(k.decode_workspace(p, threads)), threads, dot);
 }
 
 std::string decode_describe() {

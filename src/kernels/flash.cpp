@@ -38,7 +38,7 @@ void flash_kernel(const Problem& p) {
   bool dot = false;
   const IsaKernels& k = active_isa_kernels(dot);
   const int threads = call_threads(p);
-  k.flash_forward(p, thread_workspace(k.flash_workspace(p, threads, dot)), threads, dot);
+  k.flash_forward(p, thread_workspace(k.flash_workspace(p, threads)), threads, dot);
 }
 
 std::string flash_describe() {

@@ -1,7 +1,8 @@
 #pragma once
 // The table through which the ISA-independent glue (flash.cpp, decode.cpp) reaches the
-// per-ISA instantiations of the attention engine (src/kernels/simd/<isa>/). Each ISA translation
-// unit defines one IsaKernels object; the glue picks one at run time from cpu_features.hpp.
+// per-ISA instantiations of the attention engine (src/kernels/engine/, instantiated in
+// src/kernels/simd/<isa>/). Each ISA translation unit defines one IsaKernels object; the glue
+// picks one at run time from cpu_features.hpp.
 #include <cstddef>
 #include <string>
 
@@ -12,10 +13,11 @@ namespace qkv::detail {
 struct IsaKernels {
   const char* name;  // "avx512", "avx2", "scalar"
   /// Bytes of workspace flash_forward needs for `p` with `threads` threads (64-byte aligned).
-  std::size_t (*flash_workspace)(const Problem& p, int threads, bool bf16_dot);
+  std::size_t (*flash_workspace)(const Problem& p, int threads);
   /// FlashAttention-2 forward of the whole problem; `ws` holds flash_workspace() bytes.
   void (*flash_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
-  std::size_t (*decode_workspace)(const Problem& p, int threads, bool bf16_dot);
+  /// Bytes of workspace decode_forward needs (the threads' tile sets and the chunk partials).
+  std::size_t (*decode_workspace)(const Problem& p, int threads);
   /// Flash-decoding (Sq small): keys split in fixed chunks, partials merged by log-sum-exp.
   void (*decode_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
   /// Tile sizes, for describe(): rows per query block and keys per key tile.

@@ -82,11 +82,11 @@ struct Engine {
     }
   }
 
-  static std::size_t flash_workspace(const Problem& p, int threads, bool) { return Dr::flash_ws(p, threads); }
+  static std::size_t flash_workspace(const Problem& p, int threads) { return Dr::flash_ws(p, threads); }
   static void flash_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
     dispatch<FlashFn>(p, static_cast<char*>(ws), threads, bf16_dot);
   }
-  static std::size_t decode_workspace(const Problem& p, int threads, bool) { return Dr::decode_ws(p, threads); }
+  static std::size_t decode_workspace(const Problem& p, int threads) { return Dr::decode_ws(p, threads); }
   static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
     dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
   }

@@ -10,6 +10,7 @@
 // NQV query vectors of accumulators in registers (qk_tile); for a few rows, dot products along D
 // instead (qk_dot). PV: MR query rows x NC vectors of Dv in registers, rescaled by alpha on load,
 // accumulating over the tile's keys (pv_tile). Accumulation is fp32 throughout.
+#include <bit>
 #include <cstdint>
 #include <cstring>
 
@@ -19,14 +20,13 @@
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
-// The exact bf16 -> fp32 widening, inline here: the library's qkv::bf16_to_float is out of line
-// (a call per element in the tile conversions), and an inline function outside this namespace
-// could be shared with a translation unit compiled for another ISA.
+// The exact bf16 -> fp32 widening, the expression of qkv::bf16_to_float (src/tensor/tensor.cpp;
+// src/tensor/convert.hpp calls that one and has no inline decoder). A copy inline here, because
+// the library's function is out of line (a call per element in the tile conversions), and an
+// inline function outside this namespace could be shared with a translation unit compiled for
+// another ISA.
 inline float bf16_bits_to_float(std::uint16_t b) {
-  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
+  return std::bit_cast<float>(static_cast<std::uint32_t>(b) << 16);
 }
 
 template <IsaOps Ops>
