@@ -1,7 +1,7 @@
 #pragma once
 // Measurement support shared by `qkv bench` and the Google Benchmark program: the naive unfused
-// baseline, machine peaks (FMA, bf16 dot product, read bandwidth), FLOP and byte counts of the
-// benchmark shapes, timing, and the OpenBLAS environment.
+// baselines (forward and backward), machine peaks (FMA, bf16 dot product, read bandwidth), FLOP
+// and byte counts of the benchmark shapes, timing, and the OpenBLAS environment.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -26,6 +26,9 @@ double unmasked_pairs(const BenchShape& s, bool causal);
 /// FLOPs of a forward pass counting only unmasked scores: 4 * B * Hq * D * unmasked_pairs
 /// (2 for QK^T and 2 for PV per pair and head dimension).
 double forward_flops(const BenchShape& s, bool causal);
+/// FLOPs of a backward pass: 2.5 x forward_flops(), FlashAttention's convention (five matrix
+/// products per unmasked score pair, QK^T recomputed, dV, dP, dQ, dK, against the forward's two).
+double backward_flops(const BenchShape& s, bool causal);
 /// Bytes of K and V when each is read once per KV head: 2 * B * Hkv * Sk * D * sizeof(dtype).
 double kv_bytes(const BenchShape& s, DType dtype);
 
@@ -36,9 +39,26 @@ struct Inputs {
 };
 Inputs make_inputs(const BenchShape& s, DType dtype, std::uint64_t seed = 42);
 
+/// What a backward call needs beyond q, k, v: the forward's out and softmax_lse ([B,Hq,Sq],
+/// float32), dO (grad_out, in the dtype of q, uniform in [-1, 1] rounded to bfloat16 as the
+/// inputs) and the gradients (grad_dtype, every page touched).
+struct BackwardInputs {
+  Inputs in;
+  Tensor lse, grad_out, grad_q, grad_k, grad_v;
+};
+/// make_inputs(s, dtype, seed), then one qkv::attention() call with `params` writes out and lse.
+BackwardInputs make_backward_inputs(const BenchShape& s, DType dtype, DType grad_dtype,
+                                    const AttentionParams& params, std::uint64_t seed = 42);
+/// Runs qkv::attention_backward() on `b` with `params`.
+void run_backward(const BackwardInputs& b, const AttentionParams& params);
+
 /// The kernel that qkv::attention() dispatches for these arguments, from explain_dispatch():
 /// the chosen line, e.g. "flash (AVX-512, fp32)" or "reference".
 std::string dispatched_kernel(const Inputs& in, const AttentionParams& params);
+/// The kernel that qkv::attention_backward() runs for a call like `b`: "reference" when forced
+/// (params.kernel) or when a call forcing KernelKind::flash on a small problem of the same dtype,
+/// D, heads and mask is refused; "flash" otherwise.
+std::string dispatched_backward_kernel(const BackwardInputs& b, const AttentionParams& params);
 
 // ---- naive unfused baseline -------------------------------------------------------------------
 
@@ -59,6 +79,31 @@ private:
   BenchShape shape_;
   int threads_;
   std::vector<float> scores_;
+};
+
+/// The gradients by the same naive method, per (batch, KV head) and each query head of its
+/// group: P = softmax(scale Q K^T) recomputed (cblas_sgemm and the row softmax of NaiveBaseline,
+/// causal bottom-right), D_i = rowsum(dO * O) from the given O, dV += P^T dO, dP = dO V^T,
+/// dS = P * (dP - D) * scale, dQ = dS K, dK += dS^T Q (five cblas_sgemm, dK and dV summed over
+/// the group with beta = 1). (batch, KV head) pairs are spread over OpenMP threads; each sgemm
+/// runs single-threaded. fp32 only, BHSD contiguous; two Sq x Sk float buffers per thread
+/// (allocated once, reused across calls).
+class NaiveBackwardBaseline {
+public:
+  NaiveBackwardBaseline(const BenchShape& s, int threads);
+  /// Every tensor float32 BHSD contiguous: q, out, grad_out, grad_q [B,Hq,Sq,D]; k, v, grad_k,
+  /// grad_v [B,Hkv,Sk,D]. out is the forward's output for q, k, v.
+  void run(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& grad_out,
+           const Tensor& grad_q, const Tensor& grad_k, const Tensor& grad_v, bool causal);
+  /// Bytes of workspace held (threads x (2 Sq x Sk + Sq) x 4).
+  std::size_t workspace_bytes() const {
+    return (probs_.size() + dprobs_.size() + rowdot_.size()) * sizeof(float);
+  }
+
+private:
+  BenchShape shape_;
+  int threads_;
+  std::vector<float> probs_, dprobs_, rowdot_;
 };
 
 // ---- machine peaks -----------------------------------------------------------------------------
@@ -111,6 +156,11 @@ struct MemoryUse {
 /// Throws qkv::Error if the child fails. Call it before this process runs any OpenMP parallel
 /// region: OpenMP (libgomp) is not usable in a child forked after its threads exist.
 MemoryUse measure_memory(const BenchShape& s, DType dtype, bool causal, int threads);
+/// The same for one attention_backward() call: the child allocates and touches q, k, v, out,
+/// softmax_lse, dO and the gradients (float32 for float32 inputs, else the input dtype), runs the
+/// forward that fills out and softmax_lse, resets its peak counter, and then runs the backward;
+/// rss_inputs counts all of those tensors, extra what the backward call added at its peak.
+MemoryUse measure_backward_memory(const BenchShape& s, DType dtype, bool causal, int threads);
 
 /// Current process's peak resident set in MiB (VmHWM from /proc/self/status; 0 if unavailable).
 double peak_rss_mib();

@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "platform/cpu_features.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 #include "qkv_bench.hpp"
 
@@ -40,6 +41,8 @@ double unmasked_pairs(const BenchShape& s, bool causal) {
 double forward_flops(const BenchShape& s, bool causal) {
   return 4.0 * static_cast<double>(s.B * s.Hq * s.D) * unmasked_pairs(s, causal);
 }
+
+double backward_flops(const BenchShape& s, bool causal) { return 2.5 * forward_flops(s, causal); }
 
 double kv_bytes(const BenchShape& s, DType dtype) {
   return 2.0 * static_cast<double>(s.B * s.Hkv * s.Sk * s.D) * static_cast<double>(dtype_size(dtype));
@@ -67,6 +70,57 @@ Inputs make_inputs(const BenchShape& s, DType dtype, std::uint64_t seed) {
     }
   }
   return in;
+}
+
+BackwardInputs make_backward_inputs(const BenchShape& s, DType dtype, DType grad_dtype,
+                                    const AttentionParams& params, std::uint64_t seed) {
+  BackwardInputs b{make_inputs(s, dtype, seed), Tensor(DType::f32, {s.B, s.Hq, s.Sq}),
+                   Tensor(dtype, {s.B, s.Hq, s.Sq, s.D}), Tensor(grad_dtype, {s.B, s.Hq, s.Sq, s.D}),
+                   Tensor(grad_dtype, {s.B, s.Hkv, s.Sk, s.D}), Tensor(grad_dtype, {s.B, s.Hkv, s.Sk, s.D})};
+  // dO from its own stream, rounded to bfloat16 like the inputs (the same values in every dtype).
+  std::mt19937_64 rng(seed ^ 0x9e3779b97f4a7c15ull);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (std::int64_t i = 0; i < b.grad_out.numel(); ++i) {
+    const std::uint16_t h = float_to_bf16(dist(rng));
+    if (dtype == DType::f32)
+      b.grad_out.data_as<float>()[i] = bf16_to_float(h);
+    else if (dtype == DType::bf16)
+      b.grad_out.data_as<std::uint16_t>()[i] = h;
+    else
+      b.grad_out.data_as<std::uint16_t>()[i] = float_to_half(bf16_to_float(h));
+  }
+  // Make the gradients' pages resident (the tensors start as untouched zero pages).
+  for (const Tensor* g : {&b.grad_q, &b.grad_k, &b.grad_v})
+    std::memset(g->data(), 0xff, g->nbytes());
+  AttentionParams fwd = params;
+  if (fwd.kernel != KernelKind::reference) fwd.kernel = KernelKind::automatic;
+  attention(b.in.q, b.in.k, b.in.v, b.in.out, fwd, TensorView(b.lse));
+  return b;
+}
+
+void run_backward(const BackwardInputs& b, const AttentionParams& params) {
+  attention_backward(b.in.q, b.in.k, b.in.v, b.in.out, b.lse, b.grad_out, b.grad_q, b.grad_k, b.grad_v, params);
+}
+
+std::string dispatched_backward_kernel(const BackwardInputs& b, const AttentionParams& params) {
+  if (params.kernel == KernelKind::reference) return "reference";
+  // The public API has no explain_dispatch() for the backward pass: ask the fast kernel directly
+  // whether it takes a small call of the same kind (dtype, D, heads, mask).
+  const BenchShape big{b.in.q.shape()[0], b.in.q.shape()[1], b.in.k.shape()[1], b.in.q.shape()[2],
+                       b.in.k.shape()[2], b.in.q.shape()[3]};
+  const BenchShape small{1, big.Hq, big.Hkv, std::min<std::int64_t>(big.Sq, 64), std::min<std::int64_t>(big.Sk, 64),
+                         big.D};
+  AttentionParams p = params;
+  p.kernel = KernelKind::automatic;
+  p.num_threads = 1;
+  const BackwardInputs probe = make_backward_inputs(small, b.in.q.dtype(), b.grad_q.dtype(), p);
+  p.kernel = KernelKind::flash;
+  try {
+    run_backward(probe, p);
+  } catch (const Error&) {
+    return "reference";
+  }
+  return "flash";
 }
 
 std::string dispatched_kernel(const Inputs& in, const AttentionParams& params) {
@@ -122,11 +176,24 @@ double status_mib(const char* field) {
   return 0.0;
 }
 
+// Peak-RSS counters start from the process's state at fork; this resets them to the current
+// resident set (Linux >= 4.0), so that only what is allocated afterwards counts.
+void reset_peak_rss() {
+  if (FILE* cr = std::fopen("/proc/self/clear_refs", "w")) {
+    std::fputs("5", cr);
+    std::fclose(cr);
+  }
+}
+
 }  // namespace
 
 double peak_rss_mib() { return status_mib("VmHWM"); }
 
-MemoryUse measure_memory(const BenchShape& s, DType dtype, bool causal, int threads) {
+namespace {
+
+// Runs `child` in a forked child process, which first resets its peak-RSS counter; `child` fills
+// everything but extra_mib (computed here). Throws if the child fails.
+MemoryUse in_child(const BenchShape& s, const std::function<MemoryUse()>& child) {
   int fds[2];
   if (pipe(fds) != 0) throw Error("bench: memory: pipe() failed");
   std::fflush(stdout);
@@ -138,26 +205,8 @@ MemoryUse measure_memory(const BenchShape& s, DType dtype, bool causal, int thre
     MemoryUse m;
     int rc = 0;
     try {
-      // Peak-RSS counters start from this process's state at fork; reset them (Linux >= 4.0) so
-      // that only what the child allocates counts.
-      if (FILE* cr = std::fopen("/proc/self/clear_refs", "w")) {
-        std::fputs("5", cr);
-        std::fclose(cr);
-      }
-      Inputs in = make_inputs(s, dtype);
-      // Make every output page resident now, so that only the call's own memory counts below.
-      float* o = in.out.data_as<float>();
-      for (std::int64_t i = 0; i < in.out.numel(); ++i) o[i] = 1.0f;
-      AttentionParams p;
-      p.causal = causal;
-      p.num_threads = threads;
-      m.kernel = dispatched_kernel(in, p);
-      m.rss_inputs_mib = status_mib("VmRSS");
-      const auto t0 = std::chrono::steady_clock::now();
-      attention(in.q, in.k, in.v, in.out, p);
-      m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      m.hwm_mib = status_mib("VmHWM");
-      m.extra_mib = m.hwm_mib - m.rss_inputs_mib;
+      reset_peak_rss();
+      m = child();
     } catch (const std::exception& e) {
       m.kernel = std::string("error: ") + e.what();
       rc = 1;
@@ -185,6 +234,49 @@ MemoryUse measure_memory(const BenchShape& s, DType dtype, bool causal, int thre
                 (m.kernel.empty() ? std::string("child terminated abnormally") : m.kernel));
   m.extra_mib = m.hwm_mib - m.rss_inputs_mib;
   return m;
+}
+
+}  // namespace
+
+MemoryUse measure_memory(const BenchShape& s, DType dtype, bool causal, int threads) {
+  return in_child(s, [&] {
+    MemoryUse m;
+    Inputs in = make_inputs(s, dtype);
+    // Make every output page resident now, so that only the call's own memory counts below.
+    float* o = in.out.data_as<float>();
+    for (std::int64_t i = 0; i < in.out.numel(); ++i) o[i] = 1.0f;
+    AttentionParams p;
+    p.causal = causal;
+    p.num_threads = threads;
+    m.kernel = dispatched_kernel(in, p);
+    m.rss_inputs_mib = status_mib("VmRSS");
+    const auto t0 = std::chrono::steady_clock::now();
+    attention(in.q, in.k, in.v, in.out, p);
+    m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    m.hwm_mib = status_mib("VmHWM");
+    return m;
+  });
+}
+
+MemoryUse measure_backward_memory(const BenchShape& s, DType dtype, bool causal, int threads) {
+  return in_child(s, [&] {
+    MemoryUse m;
+    AttentionParams p;
+    p.causal = causal;
+    p.num_threads = threads;
+    const DType grad_dtype = dtype == DType::f32 ? DType::f32 : dtype;
+    // The forward writes out and softmax_lse (every page); the gradients are touched on creation.
+    const BackwardInputs b = make_backward_inputs(s, dtype, grad_dtype, p);
+    m.kernel = dispatched_backward_kernel(b, p);
+    // Only the backward call's own memory counts: forget the forward's (and the probe's) peak.
+    reset_peak_rss();
+    m.rss_inputs_mib = status_mib("VmRSS");
+    const auto t0 = std::chrono::steady_clock::now();
+    run_backward(b, p);
+    m.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    m.hwm_mib = status_mib("VmHWM");
+    return m;
+  });
 }
 
 // ---- OpenBLAS environment ----------------------------------------------------------------------

@@ -1,12 +1,15 @@
-// Tests of the benchmark support code: the naive baseline against the float64 reference, and the
-// FLOP and byte counts the reports divide by. (Timings are never asserted.)
+// Tests of the benchmark support code: the naive baselines (forward and backward) against the
+// float64 reference, and the FLOP and byte counts the reports divide by. (Timings are never
+// asserted.)
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cmath>
 #include <string>
 #include <thread>
+#include <tuple>
 
+#include "qkv/backward.hpp"
 #include "qkv/reference.hpp"
 #include "qkv_bench.hpp"
 
@@ -57,6 +60,79 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(s.Sq) + "_Sk" + std::to_string(s.Sk) + "_D" + std::to_string(s.D) +
              (i.param.causal ? "_causal" : "") + "_t" + std::to_string(i.param.threads);
     });
+
+double max_abs(const qkv::Tensor& a) {
+  double m = 0;
+  for (std::int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::fabs(double(a.data_as<float>()[i])));
+  return m;
+}
+
+class BackwardBaselineVsReference : public ::testing::TestWithParam<Case> {};
+
+// dQ, dK, dV of the naive backward baseline against qkv::reference::attention_backward (float64),
+// given the reference's forward output O.
+TEST_P(BackwardBaselineVsReference, MatchesWithinFp32Tolerance) {
+  const Case c = GetParam();
+  const BenchShape& s = c.s;
+  qkv::AttentionParams p;
+  p.causal = c.causal;
+  p.kernel = qkv::KernelKind::reference;
+  const qkv::bench::BackwardInputs b = qkv::bench::make_backward_inputs(s, qkv::DType::f32, qkv::DType::f32, p, 11);
+  qkv::Tensor wq(qkv::DType::f32, {s.B, s.Hq, s.Sq, s.D}), wk(qkv::DType::f32, {s.B, s.Hkv, s.Sk, s.D}),
+      wv(qkv::DType::f32, {s.B, s.Hkv, s.Sk, s.D});
+  qkv::reference::attention_backward(b.in.q, b.in.k, b.in.v, b.in.out, b.lse, b.grad_out, wq, wk, wv, p);
+  qkv::bench::NaiveBackwardBaseline base(s, c.threads);
+  base.run(b.in.q, b.in.k, b.in.v, b.in.out, b.grad_out, b.grad_q, b.grad_k, b.grad_v, c.causal);
+  const std::string what = qkv::bench::shape_label(s) + (c.causal ? " causal" : "");
+  for (auto [got, want, name] : {std::tuple{&b.grad_q, &wq, "dQ"}, std::tuple{&b.grad_k, &wk, "dK"},
+                                 std::tuple{&b.grad_v, &wv, "dV"}}) {
+    const double scale = std::max(max_abs(*want), 1e-30);
+    EXPECT_GT(max_abs(*want), 0.0) << name << " " << what;
+    EXPECT_LT(max_abs_diff(*got, *want) / scale, 1e-4) << name << " " << what;
+  }
+  EXPECT_EQ(base.workspace_bytes(), std::size_t(c.threads) * (2 * s.Sq * s.Sk + s.Sq) * sizeof(float));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, BackwardBaselineVsReference,
+    ::testing::Values(Case{{1, 2, 2, 17, 17, 8}, false, 1}, Case{{1, 2, 2, 17, 17, 8}, true, 2},
+                      Case{{2, 4, 2, 19, 23, 16}, false, 2},  // GQA 2, Sq < Sk
+                      Case{{2, 4, 2, 19, 23, 16}, true, 2},   // GQA 2, bottom-right diagonal
+                      Case{{1, 4, 2, 33, 9, 64}, true, 1},    // GQA 2, Sq > Sk: leading rows see no key
+                      Case{{1, 2, 1, 64, 64, 59}, true, 2}),  // GQA 2, odd D
+    [](const ::testing::TestParamInfo<Case>& i) {
+      const BenchShape& s = i.param.s;
+      return "B" + std::to_string(s.B) + "_Hq" + std::to_string(s.Hq) + "_Hkv" + std::to_string(s.Hkv) + "_Sq" +
+             std::to_string(s.Sq) + "_Sk" + std::to_string(s.Sk) + "_D" + std::to_string(s.D) +
+             (i.param.causal ? "_causal" : "") + "_t" + std::to_string(i.param.threads);
+    });
+
+TEST(Counts, BackwardIsTwoAndAHalfForwards) {
+  EXPECT_EQ(qkv::bench::backward_flops({1, 8, 8, 1024, 1024, 128}, false), 10.0 * 8 * 1024 * 1024 * 128);
+  EXPECT_EQ(qkv::bench::backward_flops({2, 8, 8, 4, 4, 64}, true), 2.5 * 4.0 * 2 * 8 * 64 * 10);
+}
+
+// The backward inputs hold the forward's output and softmax_lse, and dO in every dtype the same
+// values; the gradients are the dtype asked for.
+TEST(Inputs, BackwardInputs) {
+  const BenchShape s{1, 2, 1, 3, 5, 8};
+  qkv::AttentionParams p;
+  p.causal = true;
+  const auto f = qkv::bench::make_backward_inputs(s, qkv::DType::f32, qkv::DType::f32, p, 3);
+  const auto h = qkv::bench::make_backward_inputs(s, qkv::DType::bf16, qkv::DType::bf16, p, 3);
+  EXPECT_EQ(h.grad_q.dtype(), qkv::DType::bf16);
+  EXPECT_EQ(f.lse.shape(), (qkv::Shape{1, 2, 3}));
+  for (std::int64_t i = 0; i < f.grad_out.numel(); ++i)
+    EXPECT_EQ(f.grad_out.data_as<float>()[i], qkv::bf16_to_float(h.grad_out.data_as<std::uint16_t>()[i]));
+  qkv::Tensor want(qkv::DType::f32, {s.B, s.Hq, s.Sq, s.D});
+  qkv::reference::attention(f.in.q, f.in.k, f.in.v, want, p);
+  EXPECT_LT(max_abs_diff(f.in.out, want), 1e-5);
+  for (std::int64_t i = 0; i < f.lse.numel(); ++i) EXPECT_TRUE(std::isfinite(f.lse.data_as<float>()[i]));
+  const std::string kernel = qkv::bench::dispatched_backward_kernel(f, p);
+  EXPECT_TRUE(kernel == "flash" || kernel == "reference") << kernel;
+  p.kernel = qkv::KernelKind::reference;
+  EXPECT_EQ(qkv::bench::dispatched_backward_kernel(f, p), "reference");
+}
 
 TEST(Counts, UnmaskedPairsAndFlops) {
   // Sq == Sk: the causal triangle including the diagonal.
