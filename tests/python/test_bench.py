@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Smoke test of `qkv bench`: a tiny grid with --json; checks the report's structure only
-(timings are not asserted: they depend on the machine and its load)."""
+"""Smoke test of `qkv bench`: a tiny grid with --json, forward, decode and backward rows; checks
+the report's structure only (timings are not asserted: they depend on the machine and its load)."""
 import json
 import math
 import os
@@ -30,7 +30,7 @@ def main() -> int:
         env.pop("QKV_BENCH_BLAS_ENV", None)
         cmd = [qkv, "bench", "--quick", "--seqlens", "64", "--decode-seqlens", "256", "--repeats", "1",
                "--min-time", "0", "--adjacent-seconds", "0.02", "--peak-seconds", "0.03", "--read-mib", "32", "--scaling", "--scaling-seqlen", "64", "--memory",
-               "--memory-seqlen", "128", "--json", path, "--markdown", path + ".md"]
+               "--memory-seqlen", "128", "--backward", "--json", path, "--markdown", path + ".md"]
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
         check(r.returncode == 0, f"exit status {r.returncode}, stderr: {r.stderr}")
         check("openblas core:" in r.stdout, "no 'openblas core:' line in the table")
@@ -39,18 +39,27 @@ def main() -> int:
         doc = json.load(open(path))
         md = open(path + ".md").read()
         check(len(doc.get("kv_read_bandwidth_by_size", [])) >= 1, "no kv_read_bandwidth_by_size")
-        check(md.count("\n| forward |") == 4 and md.count("\n| decode (two-stream K/V read ") == 4,
-              "markdown rows:\n" + md)
+        check(md.count("\n| forward |") == 4 and md.count("\n| decode (two-stream K/V read ") == 4
+              and md.count("\n| backward |") == 4 and md.count("\n| backward-scaling (1 thread ") == 8
+              and md.count("\n| backward-memory (peak RSS ") == 1, "markdown rows:\n" + md)
+        check("2.5x the forward" in md and "2.5x the forward" in r.stdout, "no note on the backward FLOP count")
+        check(doc.get("backward_flops_factor") == 2.5, "backward_flops_factor")
         check(doc["openblas_core"] not in ("", "unknown", "Haswell") or "SkylakeX" in doc["openblas_note"],
               f"openblas core {doc['openblas_core']!r}: the environment's Haswell core was kept")
         for t, p in doc["peaks"].items():
             check(p["fma_gflops"] > 0 and p["read_gbps"] > 0, f"peaks for {t} threads not measured: {p}")
         rows = doc["rows"]
         kinds = {r["kind"] for r in rows}
-        check(kinds == {"forward", "decode", "scaling", "memory"}, f"row kinds {kinds}")
-        # --quick with both dtypes: forward 2 (causal) x 2 (dtype), decode 2 (Hkv) x 2 (dtype).
+        check(kinds == {"forward", "decode", "scaling", "memory", "backward", "backward-scaling", "backward-memory"},
+              f"row kinds {kinds}")
+        # --quick with both dtypes: forward 2 (causal) x 2 (dtype), decode 2 (Hkv) x 2 (dtype);
+        # --backward adds backward 2 x 2, scaling 2 (H = 8 and 1) x 2 x 2, one memory row.
         check(sum(r["kind"] == "forward" for r in rows) == 4, "forward row count")
         check(sum(r["kind"] == "decode" for r in rows) == 4, "decode row count")
+        check(sum(r["kind"] == "backward" for r in rows) == 4, "backward row count")
+        check(sum(r["kind"] == "backward-scaling" for r in rows) == 8, "backward-scaling row count")
+        check({r["shape"]["Hq"] for r in rows if r["kind"] == "backward-scaling"} == {1, 8},
+              "backward-scaling rows for H = 8 and H = 1")
         for row in rows:
             for f in ROW_FIELDS:
                 check(f in row, f"row {row.get('kind')} lacks field {f!r}")
@@ -62,16 +71,20 @@ def main() -> int:
             check(row["seconds"] > 0 and math.isfinite(row["gflops"]) and row["gflops"] > 0, f"timing {row}")
             check(row["kernel"] and row["kernel"] != "unknown", f"kernel {row['kernel']!r}")
             check(row.get("repeats") == 1, f"--repeats 1 --min-time 0 gave {row.get('repeats')} timed runs")
-            if row["kind"] in ("forward", "decode"):
+            if row["kind"] in ("forward", "decode", "backward"):
                 s = row["shape"]
                 check(row["baseline_seconds"] is not None and row["baseline_seconds"] > 0, "no baseline")
-                # The baseline runs the same values (rounded to bf16 for every dtype): outputs agree.
-                check(row["max_abs_diff_vs_baseline"] < 1e-3, f"qkv and baseline differ: {row}")
-                # FLOPs: 4*B*Hq*D*pairs; causal counts the Sq*(Sq+1)/2 unmasked pairs when Sq == Sk.
+                # The baseline runs the same values (rounded to bf16 for every dtype): outputs agree
+                # (backward: dQ, in bfloat16 for the bfloat16 rows).
+                tol = 2e-2 if row["kind"] == "backward" and row["dtype"] == "bfloat16" else 1e-3
+                check(row["max_abs_diff_vs_baseline"] < tol, f"qkv and baseline differ: {row}")
+                check(row["speedup_vs_baseline"] > 0, f"speedup_vs_baseline {row}")
+                # FLOPs: 4*B*Hq*D*pairs; causal counts the Sq*(Sq+1)/2 unmasked pairs when Sq == Sk;
+                # the backward counts 2.5 times that.
                 pairs = s["Sq"] * s["Sk"]
                 if row["causal"] and s["Sq"] == s["Sk"]:
                     pairs = s["Sq"] * (s["Sq"] + 1) // 2
-                flops = 4 * s["B"] * s["Hq"] * s["D"] * pairs
+                flops = 4 * s["B"] * s["Hq"] * s["D"] * pairs * (2.5 if row["kind"] == "backward" else 1)
                 check(abs(row["gflops"] * row["seconds"] * 1e9 - flops) <= 1e-6 * flops, f"flop count {row}")
                 esize = 4 if row["dtype"] == "float32" else 2
                 kv = 2 * s["B"] * s["Hkv"] * s["Sk"] * s["D"] * esize
@@ -87,9 +100,14 @@ def main() -> int:
                 check(row.get("kv_read_gbps", 0) > 0, f"decode row without kv_read_gbps {row}")
                 check(abs(row["kv_read_fraction"] * row["kv_read_gbps"] - row["gbps"]) <= 1e-9 * row["gbps"],
                       f"kv_read_fraction {row}")
-            if row["kind"] == "scaling":
+            if row["kind"] in ("backward", "backward-scaling", "backward-memory"):
+                check(row["peak"] == ("bf16_gflops" if row["dtype"] == "bfloat16" and doc["peaks"][str(row["threads"])]["bf16_gflops"] > 0
+                                      else "fma_gflops"), f"backward peak {row}")
+                check(row["peak_fraction"] > 0, f"backward peak fraction {row}")
+            if row["kind"] in ("scaling", "backward-scaling"):
                 check(row.get("seconds_1thread", 0) > 0, "scaling row without a 1-thread time")
-            if row["kind"] == "memory":
+                check(row["baseline_seconds"] is None, "scaling rows run no baseline")
+            if row["kind"] in ("memory", "backward-memory"):
                 check(row.get("peak_rss_mib", 0) > 0 and "extra_rss_mib" in row, f"memory row {row}")
 
         # JSON to stdout: the document is the whole of stdout.
@@ -102,6 +120,21 @@ def main() -> int:
             check(len(doc["rows"]) == 2, f"--json -: {len(doc['rows'])} rows")
         except json.JSONDecodeError as e:
             failures.append(f"--json - did not write JSON to stdout: {e}")
+
+        # --shapes backward: backward rows only, JSON on stdout.
+        r = subprocess.run([qkv, "bench", "--shapes", "backward", "--seqlens", "64", "--head-dims", "32",
+                            "--dtype", "f32", "--causal", "on", "--repeats", "1", "--min-time", "0",
+                            "--adjacent-seconds", "0", "--peak-seconds", "0.03", "--read-mib", "32", "--json", "-"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        check(r.returncode == 0, f"--shapes backward exit status {r.returncode}: {r.stderr}")
+        try:
+            rows = json.loads(r.stdout)["rows"]
+            check([(x["kind"], x["shape"]["D"], x["causal"], x["dtype"]) for x in rows] == [("backward", 32, True, "float32")],
+                  f"--shapes backward rows: {rows}")
+            check(all(x["gflops"] > 0 and x["seconds"] > 0 and x["kernel"] for x in rows), f"--shapes backward: {rows}")
+            check(all("adjacent_peak_value" not in x for x in rows), "--adjacent-seconds 0 measured adjacent peaks")
+        except (json.JSONDecodeError, KeyError) as e:
+            failures.append(f"--shapes backward --json -: {e}")
 
         # An unwritable JSON path fails at once, before measuring, and writes nothing.
         bad = os.path.join(tmp, "missing", "x.json")

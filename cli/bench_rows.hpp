@@ -1,0 +1,167 @@
+#pragma once
+// `qkv bench` in parts: its options, the measured rows, the machine's peaks and the runner that
+// measures a row (cli/bench_measure.cpp), and the three outputs of the rows: the table, Markdown
+// and JSON (cli/bench_output.cpp). cli/bench.cpp declares the options and walks the grid.
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "qkv/attention.hpp"
+#include "qkv/tensor.hpp"
+#include "qkv_bench.hpp"
+
+namespace qkv::cli::benchcmd {
+
+using bench::BenchShape;
+
+struct BenchOptions {
+  bool quick = false, scaling = false, memory = false, no_baseline = false, reference = false, backward = false;
+  std::string shapes = "all", dtype = "all", causal = "both", json_path, markdown_path, blas_core;
+  std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
+  int repeats = 0, threads = 0;
+  std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
+  double budget = 30.0, min_time = -1, adjacent_seconds = 0.1, peak_seconds = 0.25, read_mib = 512;
+
+  // Which row groups run: forward (and the forward's scaling and memory rows) unless --shapes
+  // decode or backward; decode unless --shapes forward or backward; backward with --shapes
+  // backward or --backward.
+  bool forward_rows() const { return shapes == "all" || shapes == "forward"; }
+  bool decode_rows() const { return shapes == "all" || shapes == "decode"; }
+  bool forward_extra_rows() const { return shapes != "backward"; }
+  bool backward_rows() const { return backward || shapes == "backward"; }
+};
+
+// One measured line of the report.
+struct Row {
+  // forward | decode | scaling | memory | backward | backward-scaling | backward-memory
+  std::string kind;
+  BenchShape shape;
+  bool causal = false;
+  DType dtype = DType::f32;
+  std::string kernel;
+  int threads = 1;
+  int repeats = 0;
+  double seconds = 0, gflops = 0, gbps = 0;
+  // Backward rows: maxdiff is that of dQ.
+  std::optional<double> baseline_seconds, max_abs_diff, seconds_1thread;
+  double peak_fraction = 0;
+  std::string peak_name;  // which peak peak_fraction divides by
+  double peak_value = 0;  // its value (GFLOP/s or GB/s)
+  std::optional<bench::MemoryUse> mem;
+  std::optional<double> kv_read_gbps;  // decode: two-stream (K and V) read bandwidth of this size
+  // The same peak (peak_name) measured just before and just after this row's timed runs, the
+  // higher of the two: the machine's speed in the phase the row ran in.
+  std::optional<double> adjacent_peak;
+
+  bool backward() const { return kind.rfind("backward", 0) == 0; }
+  // The figure the row is judged by: GB/s for decode, GFLOP/s otherwise.
+  double rate() const { return kind == "decode" ? gbps : gflops; }
+  // rate() / adjacent_peak; nullopt when not measured.
+  std::optional<double> adjacent_fraction() const {
+    if (!adjacent_peak || *adjacent_peak <= 0) return std::nullopt;
+    return rate() / *adjacent_peak;
+  }
+};
+
+// The machine's peaks, measured once per thread count used.
+class PeakTable {
+public:
+  PeakTable(double seconds, double read_mib) : seconds_(seconds), read_mib_(read_mib) {}
+  const bench::Peaks& at(int threads);
+  // Read bandwidth over a buffer of `bytes` (rounded to MiB), measured once per size; kv: the
+  // same bytes as two buffers read in alternating tiles (bench::measure_kv_read_bandwidth).
+  double read_gbps(int threads, double bytes, bool kv = false);
+  // A read figure's buffer size: `bytes` rounded up to whole MiB, in MiB.
+  static std::int64_t whole_mib(double bytes);
+  // The same size in bytes: the buffer that is read.
+  static double whole_mib_bytes(double bytes) { return double(whole_mib(bytes)) * 1048576.0; }
+  const std::map<int, bench::Peaks>& all() const { return peaks_; }
+  const std::map<std::pair<int, std::int64_t>, double>& reads() const { return reads_; }
+  const std::map<std::pair<int, std::int64_t>, double>& kv_reads() const { return kv_reads_; }
+
+private:
+  double seconds_, read_mib_;
+  std::map<int, bench::Peaks> peaks_;
+  std::map<std::pair<int, std::int64_t>, double> reads_;
+  std::map<std::pair<int, std::int64_t>, double> kv_reads_;
+};
+
+// The float64 reference kernel runs at well under 1 GFLOP/s: when it is what would be timed (no
+// fast kernel compiled in or usable) and was not asked for, shapes beyond 2e10 FLOP (forward, or
+// backward counted as 2.5 forwards) are skipped with a note on `out` rather than running for
+// hours. The backward check runs a small single-threaded call (no OpenMP team is started).
+bool skip_reference(FILE* out, const BenchOptions& o, const BenchShape& s, bool causal, DType dtype, int threads);
+bool skip_reference_backward(FILE* out, const BenchOptions& o, const BenchShape& s, bool causal, DType dtype);
+
+// Measures rows: qkv and the naive baselines on one shape, timed as the options say, against
+// the machine's peaks.
+class Runner {
+public:
+  explicit Runner(const BenchOptions& o) : o_(o), peaks_(o.peak_seconds, o.read_mib) {}
+
+  // Times qkv::attention() on `dtype` inputs (f32_inputs itself when dtype is float32) and, if
+  // with_baseline, the baseline on f32_inputs.
+  Row measure(const std::string& kind, const BenchShape& s, bool causal, DType dtype, int threads,
+              const bench::Inputs* f32_inputs, bool with_baseline = true, bool with_adjacent = true);
+  // Times qkv::attention_backward() on `dtype` inputs (gradients in the same dtype; f32_inputs
+  // itself when dtype is float32) and, if with_baseline, the naive backward baseline on
+  // f32_inputs; maxdiff compares dQ.
+  Row measure_backward(const std::string& kind, const BenchShape& s, bool causal, DType dtype, int threads,
+                       const bench::BackwardInputs* f32_inputs, bool with_baseline = true, bool with_adjacent = true);
+  // A memory row (kind "memory" or "backward-memory") from a child's measurement.
+  Row memory_row(const std::string& kind, const BenchShape& s, DType dtype, int threads, const bench::MemoryUse& m);
+
+  // Parameters of a timed call.
+  AttentionParams params(bool causal, int threads) const;
+  PeakTable& peaks() { return peaks_; }
+  // Drops the cached baseline outputs (call when moving to the next shape).
+  void clear_baselines() {
+    cache_.clear();
+    backward_cache_.clear();
+  }
+
+private:
+  struct BaselineResult {
+    double seconds = 0;
+    std::shared_ptr<Tensor> out;  // forward: O; backward: dQ
+  };
+  using Key = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, bool, int>;
+  // The float32 baselines on the same values as every dtype (see make_inputs), timed once per
+  // (shape, causal, threads) in this run; nullopt when skipped.
+  std::optional<BaselineResult> baseline(const BenchShape& s, bool causal, int threads, const bench::Inputs& f32);
+  std::optional<BaselineResult> backward_baseline(const BenchShape& s, bool causal, int threads,
+                                                  const bench::BackwardInputs& f32);
+  // Times `call` into r (seconds, repeats, the adjacent peak), then sets the rates from `flops`
+  // and the peak fraction.
+  void time_row(Row& r, const std::function<void()>& call, double flops, bool with_adjacent);
+
+  const BenchOptions& o_;
+  PeakTable peaks_;
+  std::map<Key, BaselineResult> cache_, backward_cache_;
+};
+
+std::string dtype_short(DType d);
+
+// The table (stdout, or stderr when the JSON goes to stdout). kind_width: the kind column.
+void print_header(FILE* out, int kind_width);
+void print_row(FILE* out, const Row& r, int kind_width);
+// The results as a Markdown table (docs/performance.md), with the run's machine figures above it.
+std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Peaks>& peaks, int threads,
+                     double load_start, double load_end);
+// The JSON document (docs/performance.md, "Columns and fields").
+std::string json_document(const std::vector<Row>& rows, PeakTable& peaks, int threads, double load_start,
+                          double load_end);
+
+// A sentence on how backward rows count FLOPs, for the table, the Markdown and the help text.
+inline constexpr const char* kBackwardFlopsNote =
+    "backward GFLOP/s count 2.5x the forward's FLOPs (FlashAttention's convention: five matrix products "
+    "per score against the forward's two; causal: unmasked scores only)";
+
+}  // namespace qkv::cli::benchcmd
