@@ -1,8 +1,10 @@
 // Google Benchmark program for qkv::attention() and the naive baseline on the benchmark grid:
 // forward B=1, Hq=Hkv=8, D in {64,128}, Sq=Sk in {256,1024,4096,16384}, causal and not, fp32 and
-// bf16; decode Sq=1, Sk in {4096,32768}, Hq=8, Hkv in {8,2}, D=128. Counters: GFLOP/s (forward,
-// unmasked scores only) and GB/s (K and V bytes once per KV head), plus the fraction of the
-// measured peaks (context lines at the top of the report).
+// bf16; decode Sq=1, Sk in {4096,32768}, Hq=8, Hkv in {8,2}, D=128; backward (attention_backward
+// and the naive BLAS backward) fp32, D=128, S=1024, causal and not. Counters: GFLOP/s (forward,
+// unmasked scores only; backward counted as 2.5x the forward, FlashAttention's convention) and
+// GB/s (K and V bytes once per KV head), plus the fraction of the measured peaks (context lines at
+// the top of the report).
 //
 // Select shapes with --benchmark_filter (e.g. 'forward/.*/S:1024/'), or cap the sequence lengths
 // with --max_seqlen=N; --blas_core=NAME runs the baseline with OPENBLAS_CORETYPE=NAME (both
@@ -30,10 +32,11 @@ qkv::bench::Peaks g_peaks;
 // KV head) and the fraction of the peak (fp32 FMA, bf16 dot product, or for decode the read
 // bandwidth over a buffer the size of K and V).
 void set_counters(benchmark::State& state, const BenchShape& s, bool causal, qkv::DType dtype, bool decode,
-                  double seconds) {
+                  double seconds, bool backward = false) {
   if (seconds <= 0) return;
   const double iters = static_cast<double>(state.iterations());
-  const double gflops = qkv::bench::forward_flops(s, causal) * iters / seconds * 1e-9;
+  const double flops = backward ? qkv::bench::backward_flops(s, causal) : qkv::bench::forward_flops(s, causal);
+  const double gflops = flops * iters / seconds * 1e-9;
   const double gbps = qkv::bench::kv_bytes(s, dtype) * iters / seconds * 1e-9;
   state.counters["GFLOP/s"] = gflops;
   state.counters["GB/s"] = gbps;
@@ -84,6 +87,50 @@ void bm_baseline(benchmark::State& state, BenchShape s, bool causal, bool decode
   set_counters(state, s, causal, qkv::DType::f32, decode, total);
 }
 
+// attention_backward() with the forward's out and softmax_lse computed once beforehand;
+// gradients in float32.
+void bm_qkv_backward(benchmark::State& state, BenchShape s, bool causal, int threads) {
+  qkv::AttentionParams p;
+  p.causal = causal;
+  p.num_threads = threads;
+  const qkv::bench::BackwardInputs in = qkv::bench::make_backward_inputs(s, qkv::DType::f32, qkv::DType::f32, p);
+  const std::string kernel = qkv::bench::dispatched_backward_kernel(in, p);
+  state.SetLabel(kernel);
+  if (kernel == "reference" && qkv::bench::backward_flops(s, causal) > 2e10) {
+    state.SkipWithError("skipped: only the float64 reference kernel would run this shape");
+    for (auto _ : state) {
+    }
+    return;
+  }
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    qkv::bench::run_backward(in, p);
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    state.SetIterationTime(dt);
+    total += dt;
+  }
+  set_counters(state, s, causal, qkv::DType::f32, false, total, true);
+}
+
+void bm_baseline_backward(benchmark::State& state, BenchShape s, bool causal, int threads) {
+  qkv::AttentionParams p;
+  p.causal = causal;
+  p.num_threads = threads;
+  const qkv::bench::BackwardInputs in = qkv::bench::make_backward_inputs(s, qkv::DType::f32, qkv::DType::f32, p);
+  qkv::bench::NaiveBackwardBaseline base(s, threads);
+  state.SetLabel("naive sgemm+softmax, five sgemm");
+  double total = 0;
+  for (auto _ : state) {
+    const auto t0 = Clock::now();
+    base.run(in.in.q, in.in.k, in.in.v, in.in.out, in.grad_out, in.grad_q, in.grad_k, in.grad_v, causal);
+    const double dt = std::chrono::duration<double>(Clock::now() - t0).count();
+    state.SetIterationTime(dt);
+    total += dt;
+  }
+  set_counters(state, s, causal, qkv::DType::f32, false, total, true);
+}
+
 void register_all(std::int64_t max_seqlen, int threads) {
   for (std::int64_t D : {64, 128})
     for (std::int64_t S : {256, 1024, 4096, 16384}) {
@@ -115,6 +162,19 @@ void register_all(std::int64_t max_seqlen, int threads) {
       benchmark::RegisterBenchmark(("decode/baseline/f32" + tail).c_str(), bm_baseline, s, false, true, threads)
           ->UseManualTime()
           ->Unit(benchmark::kMicrosecond);
+    }
+  }
+  for (std::int64_t S : {1024}) {
+    if (S > max_seqlen) continue;
+    const BenchShape s{1, 8, 8, S, S, 128};
+    for (bool causal : {false, true}) {
+      const std::string tail = "/f32/D:128/S:" + std::to_string(S) + "/causal:" + (causal ? "1" : "0");
+      benchmark::RegisterBenchmark(("backward/qkv" + tail).c_str(), bm_qkv_backward, s, causal, threads)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
+      benchmark::RegisterBenchmark(("backward/baseline" + tail).c_str(), bm_baseline_backward, s, causal, threads)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond);
     }
   }
 }
