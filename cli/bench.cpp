@@ -207,8 +207,8 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--shapes", o->shapes, "which shapes: all (forward and decode), forward, decode, or backward")
       ->check(CLI::IsMember({"all", "forward", "decode", "backward"}));
   cmd->add_flag("--backward", o->backward,
-                std::string("also time attention_backward() on the forward grid's shapes (fp32 and bf16 gradients "
-                            "as the inputs; against a naive BLAS backward); ") +
+                std::string("also time attention_backward() on the forward grid's shapes (gradients in the inputs' dtype; "
+                            "against a naive BLAS backward); ") +
                     benchcmd::kBackwardFlopsNote);
   cmd->add_option("--dtype", o->dtype, "storage dtype of q, k, v")
       ->check(CLI::IsMember({"all", "f32", "float32", "bf16", "bfloat16", "f16", "float16"}));
