@@ -19,8 +19,8 @@
 ///   out [B,Hq,Sq,Dv]        the forward's output O (any float dtype)
 ///   softmax_lse [B,Hq,Sq]   the forward's softmax_lse (float32 or float64, natural log)
 ///   grad_out [B,Hq,Sq,Dv]   dO (any float dtype)
-///   grad_q [B,Hq,Sq,D], grad_k [B,Hkv,Sk,D], grad_v [B,Hkv,Sk,Dv]   written: the dtype of q
-///                           or float32 (the caller's choice), each element rounded once
+///   grad_q [B,Hq,Sq,D], grad_k [B,Hkv,Sk,D], grad_v [B,Hkv,Sk,Dv]   written: the dtype of q,
+///                           float32 or float64 (the caller's choice), each element rounded once
 /// Accumulation is at least fp32; the reference (KernelKind::reference) computes in float64.
 ///
 /// Thread safety and determinism as the forward: concurrent calls with disjoint outputs are
@@ -39,7 +39,7 @@ namespace qkv {
 /// @throws qkv::Error naming the argument and the expected and actual shape or value: every
 ///   error of attention() for q, k, v, out, softmax_lse and params, and for grad_out a shape
 ///   other than out's or a non-float dtype; for grad_q/grad_k/grad_v a shape other than q/k/v's,
-///   a dtype other than q's or float32, a zero stride on an axis of size > 1, or memory that
+///   a dtype other than q's, float32 or float64, a zero stride on an axis of size > 1, or memory that
 ///   overlaps any other operand.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,

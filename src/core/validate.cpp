@@ -298,9 +298,9 @@ BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& 
     if (g.t->shape() != g.want)
       throw Error(std::string(g.name) + ": expected shape " + g.axes + " = " + shape_str(g.want) + ", got " +
                   shape_str(g.t->shape()));
-    if (g.t->dtype() != q.dtype() && g.t->dtype() != DType::f32)
-      throw Error(std::string(g.name) + ": expected dtype " + std::string(dtype_name(q.dtype())) +
-                  " (the dtype of q) or float32, got " + std::string(dtype_name(g.t->dtype())));
+    if (g.t->dtype() != q.dtype() && g.t->dtype() != DType::f32 && g.t->dtype() != DType::f64)
+      throw Error(std::string(g.name) + ": expected dtype float32, float64 or " + std::string(dtype_name(q.dtype())) +
+                  " (the dtype of q), got " + std::string(dtype_name(g.t->dtype())));
     check_distinct(*g.t, g.name);
     *g.dst = lower_out(*g.t);
   }

@@ -20,7 +20,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
 
 /// Validates one backward call (qkv::attention_backward) and lowers it: the forward's checks
 /// for q, k, v, out, softmax_lse (required) and params, then grad_out (the shape of out, any
-/// float dtype), grad_q/grad_k/grad_v (the shapes of q/k/v, the dtype of q or float32, distinct
+/// float dtype), grad_q/grad_k/grad_v (the shapes of q/k/v, the dtype of q, float32 or float64, distinct
 /// elements, memory disjoint from every other operand). Throws qkv::Error like lower_attention.
 BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                          const TensorView& out, const TensorView& softmax_lse,

@@ -68,4 +68,16 @@ Choice choose_kernel(const Problem& p, KernelKind requested) {
   return c;
 }
 
+void run_backward(const BackwardProblem& bp, KernelKind requested) {
+  if (requested == KernelKind::decode)
+    throw Error("kernel: expected automatic, flash or reference for the backward pass, got 'decode'");
+  if (requested != KernelKind::reference) {
+    const std::string why = flash_backward_refuse(bp);
+    if (why.empty()) return flash_backward_kernel(bp);
+    if (requested == KernelKind::flash)
+      throw Error("kernel: the requested kernel 'flash' cannot run this backward call: " + why);
+  }
+  reference_backward(bp);
+}
+
 }  // namespace qkv::detail

@@ -29,4 +29,9 @@ struct Choice {
 /// Picks the kernel for `p`. A forced kind that refuses throws qkv::Error with its reason.
 Choice choose_kernel(const Problem& p, KernelKind requested);
 
+/// The backward pass's kernels: `flash` (FlashAttention-2 backward) unless it refuses, else the
+/// float64 reference. Runs the choice; a forced kind that cannot run the call throws qkv::Error
+/// ("kernel: ..."); `decode` has no backward.
+void run_backward(const BackwardProblem& bp, KernelKind requested);
+
 }  // namespace qkv::detail

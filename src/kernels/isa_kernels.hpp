@@ -20,6 +20,10 @@ struct IsaKernels {
   std::size_t (*decode_workspace)(const Problem& p, int threads);
   /// Flash-decoding (Sq small): keys split in fixed chunks, partials merged by log-sum-exp.
   void (*decode_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
+  /// Bytes of workspace backward() needs (the threads' tiles and the dQ chunk buffers).
+  std::size_t (*backward_workspace)(const BackwardProblem& bp, int threads);
+  /// FlashAttention-2 backward (kernels/engine/backward.hpp): dQ, dK, dV of the whole problem.
+  void (*backward)(const BackwardProblem& bp, void* ws, int threads);
   /// Tile sizes, for describe(): rows per query block and keys per key tile.
   int block_q, block_k;
   /// The vector exp of the online softmax, on an array (tests measure its error).

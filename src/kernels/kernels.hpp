@@ -14,6 +14,10 @@ std::string decode_refuse(const Problem& p);
 void decode_kernel(const Problem& p);
 std::string decode_describe();
 
+std::string flash_backward_refuse(const BackwardProblem& bp);
+void flash_backward_kernel(const BackwardProblem& bp);
+std::string flash_backward_describe();
+
 /// Largest Sq the decode kernel takes.
 inline constexpr std::int64_t kDecodeMaxSq = 16;
 

@@ -11,17 +11,20 @@
 // tile sizes (the per-ISA constexpr traits) and the vector primitives (load, store, fma, max,
 // exp, ...), the contract that the concept IsaOps (isa_ops.hpp) states.
 //
-// The parts, each usable on its own:
+// The parts, class templates over Ops, each using only parts listed above it:
+//   isa_ops.hpp       the concept IsaOps; with_int.hpp: a run-time count to a template argument
 //   workspace.hpp     the per-thread buffers of a block (the "on-chip" memory), Row, Prefetch
 //   microkernels.hpp  S = Q K^T and O = alpha O + P V on one tile, fp32 conversions
 //   block.hpp         one query block against its key tiles: online softmax, masks, the end
 //   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap)
 //   drivers.hpp       flash and decode over the whole problem, threads, the log-sum-exp merge
+//   backward.hpp      the FlashAttention-2 backward (Algorithm 2) over the whole problem
 // and here the one switch from run-time options to template parameters, and the entry points of
 // the IsaKernels table (kernels/isa_kernels.hpp).
 #include <cstddef>
 
 #include "core/problem.hpp"
+#include "kernels/engine/backward.hpp"
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/decode_fast.hpp"
 #include "kernels/engine/drivers.hpp"
@@ -87,6 +90,30 @@ struct Engine {
     dispatch<FlashFn>(p, static_cast<char*>(ws), threads, bf16_dot);
   }
   static std::size_t decode_workspace(const Problem& p, int threads) { return Dr::decode_ws(p, threads); }
+
+  // ---- the backward pass (backward.hpp): its own switch, no bf16 dot-product path yet ---------
+  static std::size_t backward_workspace(const BackwardProblem& bp, int threads) {
+    return Backward<Ops>::workspace(bp.fwd, threads);
+  }
+  static void backward(const BackwardProblem& bp, void* ws, int threads) {
+    const Problem& p = bp.fwd;
+    char* w = static_cast<char*>(ws);
+    auto with_opts = [&]<Elt E>() {
+      const bool mask = p.mask.data != nullptr, cap = p.softcap > 0.0;
+      if (mask) {
+        if (cap) Backward<Ops>::template run<E, true, true>(bp, w, threads);
+        else Backward<Ops>::template run<E, true, false>(bp, w, threads);
+      } else {
+        if (cap) Backward<Ops>::template run<E, false, true>(bp, w, threads);
+        else Backward<Ops>::template run<E, false, false>(bp, w, threads);
+      }
+    };
+    switch (p.q.dtype) {
+      case DType::bf16: with_opts.template operator()<Elt::bf16>(); break;
+      case DType::f16: with_opts.template operator()<Elt::f16>(); break;
+      default: with_opts.template operator()<Elt::f32>(); break;
+    }
+  }
   static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
     dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
   }

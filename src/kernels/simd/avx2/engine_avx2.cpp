@@ -146,6 +146,7 @@ const IsaKernels kIsaKernelsAvx2 = {
     "avx2",
     engine_avx2::E::flash_workspace, engine_avx2::E::flash_forward,
     engine_avx2::E::decode_workspace, engine_avx2::E::decode_forward,
+    engine_avx2::E::backward_workspace, engine_avx2::E::backward,
     engine_avx2::Ops::kBq, engine_avx2::Ops::kBk,
     engine_avx2::E::exp_array,
 };

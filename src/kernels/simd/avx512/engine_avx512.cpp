@@ -34,6 +34,7 @@
 
 #define QKV_ENGINE_NS engine_avx512
 #include "kernels/engine/engine.hpp"
+#include "kernels/engine/with_int.hpp"
 #include "kernels/isa_kernels.hpp"
 
 namespace qkv::detail {
@@ -215,7 +216,9 @@ struct Ops {
   static void qk_bf16(const std::uint32_t* qp, int nqv, const std::uint16_t* k, std::int64_t ks,
                       std::int64_t D, int kt, float* s, int ssp) {
     const int sp = nqv * 16;  // nqv = 1 .. kBq / 16
-    with_int<1, kBq / 16>(nqv, [&]<int NQV>() __attribute__((always_inline)) { qk_bf16_rows<NQV>(qp, sp, k, ks, D, kt, s, ssp); });
+    with_int<1, kBq / 16>(nqv, [&]<int NQV>() __attribute__((always_inline)) {
+      qk_bf16_rows<NQV>(qp, sp, k, ks, D, kt, s, ssp);
+    });
   }
 
   // pp[jp][i] = (bf16(P[2jp][i]), bf16(P[2jp+1][i])), a missing last key paired with 0.
@@ -308,6 +311,7 @@ const IsaKernels kIsaKernelsAvx512 = {
     "avx512",
     engine_avx512::E::flash_workspace, engine_avx512::E::flash_forward,
     engine_avx512::E::decode_workspace, engine_avx512::E::decode_forward,
+    engine_avx512::E::backward_workspace, engine_avx512::E::backward,
     engine_avx512::Ops::kBq, engine_avx512::Ops::kBk,
     engine_avx512::E::exp_array,
 };

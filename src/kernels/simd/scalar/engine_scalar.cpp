@@ -59,6 +59,7 @@ const IsaKernels kIsaKernelsScalar = {
     "scalar",
     engine_scalar::E::flash_workspace, engine_scalar::E::flash_forward,
     engine_scalar::E::decode_workspace, engine_scalar::E::decode_forward,
+    engine_scalar::E::backward_workspace, engine_scalar::E::backward,
     engine_scalar::Ops::kBq, engine_scalar::Ops::kBk,
     engine_scalar::E::exp_array,
 };

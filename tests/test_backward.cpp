@@ -1,0 +1,181 @@
+// The fast backward kernel (src/kernels/engine/backward.hpp) against the float64 backward
+// specification: a randomized grid of shapes and options on every ISA level with 1 and 2 threads
+// (tests/backward_diff.hpp), determinism across 50 calls, and the edge cases of the backward.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+
+#include "backward_diff.hpp"
+
+namespace qkv::test {
+namespace {
+
+TEST(Backward, RandomizedGrid) {
+  std::mt19937_64 rng(2024);
+  const std::int64_t Ds[] = {1, 8, 16, 59, 64, 111, 128};
+  const std::int64_t Ss[] = {1, 2, 17, 64, 97, 130, 200};
+  const std::int64_t groups[] = {1, 2, 8};
+  auto pick = [&](const auto& a) { return a[rng() % std::size(a)]; };
+  double worst = 0.0;
+  for (int n = 0; n < 60; ++n) {
+    BwConfig c;
+    c.seed = 100 + n;
+    const std::int64_t g = pick(groups);
+    c.Hkv = 1 + static_cast<std::int64_t>(rng() % 2);
+    c.Hq = c.Hkv * g;
+    c.B = 1 + static_cast<std::int64_t>(rng() % 2);
+    c.Sq = pick(Ss);
+    c.Sk = rng() % 3 == 0 ? c.Sq : pick(Ss);
+    c.D = pick(Ds);
+    c.Dv = rng() % 3 == 0 ? pick(Ds) : c.D;
+    const DType dts[] = {DType::f32, DType::f32, DType::bf16, DType::f16};
+    c.dtype = pick(dts);
+    c.grad = rng() % 4 == 0 ? c.dtype : DType::f32;
+    c.causal = rng() % 2;
+    c.align = rng() % 2 ? Alignment::top_left : Alignment::bottom_right;
+    if (rng() % 4 == 0) {
+      c.wl = static_cast<std::int64_t>(rng() % 40);
+      c.wr = static_cast<std::int64_t>(rng() % 10);
+    }
+    c.mask = static_cast<int>(rng() % 5 == 0 ? 1 + rng() % 2 : 0);
+    c.kv_lens = rng() % 5 == 0;
+    c.softcap = rng() % 5 == 0 ? 3.0 : 0.0;
+    c.outliers = rng() % 4 == 0;
+    c.bshd = rng() % 3 == 0;
+    worst = std::max(worst, run_backward_case(c));
+  }
+  RecordProperty("worst_error_ratio", std::to_string(worst));
+}
+
+// Long rows and full tiles: several key groups and chunks per head, GQA, D = 128.
+TEST(Backward, LongRows) {
+  BwConfig c;
+  c.B = 1;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.Sq = 300;
+  c.Sk = 1100;
+  c.D = c.Dv = 128;
+  for (bool causal : {false, true}) {
+    c.causal = causal;
+    run_backward_case(c);
+  }
+  c.dtype = DType::bf16;
+  run_backward_case(c);
+}
+
+// The same gradients, bit for bit, across 50 calls and for 1, 2 and 3 threads.
+TEST(Backward, Deterministic) {
+  BwConfig c;
+  c.B = 2;
+  c.Hq = 4;
+  c.Hkv = 1;
+  c.Sq = 150;
+  c.Sk = 333;
+  c.D = c.Dv = 64;
+  c.causal = true;
+  const BwInputs in = make_inputs(c);
+  const BwGrads first = run_backward(in, DType::f32, KernelKind::flash, 2);
+  for (int r = 0; r < 50; ++r) {
+    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 1 + r % 3);
+    ASSERT_EQ(std::memcmp(g.dq.data(), first.dq.data(), g.dq.nbytes()), 0) << "call " << r;
+    ASSERT_EQ(std::memcmp(g.dk.data(), first.dk.data(), g.dk.nbytes()), 0) << "call " << r;
+    ASSERT_EQ(std::memcmp(g.dv.data(), first.dv.data(), g.dv.nbytes()), 0) << "call " << r;
+  }
+}
+
+// A query row that admits no key gives dQ = 0 exactly and adds nothing to dK and dV.
+TEST(Backward, FullyMaskedRowGivesZeroDq) {
+  BwConfig c;
+  c.Hq = c.Hkv = 2;
+  c.Sq = 70;
+  c.Sk = 40;
+  c.D = c.Dv = 32;
+  c.causal = true;  // bottom-right, Sq > Sk: rows 0 .. 29 admit no key
+  run_backward_case(c);
+  const BwInputs in = make_inputs(c);
+  const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 2);
+  const TensorView dq = in.view(g.dq);
+  for (std::int64_t h = 0; h < 2; ++h)
+    for (std::int64_t i = 0; i < 30; ++i)
+      for (std::int64_t x = 0; x < 32; ++x) ASSERT_EQ(get(dq, off4(dq, 0, h, i, x)), 0.0) << "row " << i;
+}
+
+// softmax_lse far below -88 (every score shifted by an additive mask of -200): the padded rows of
+// a tile must still get P = 0, never exp(0 - lse) = inf.
+TEST(Backward, VeryNegativeLse) {
+  BwConfig c;
+  c.Sq = 37;  // a padded query block
+  c.Sk = 45;
+  c.D = c.Dv = 16;
+  BwInputs in = make_inputs(c);
+  Tensor m(DType::f32, {c.Sq, c.Sk});
+  for (std::int64_t i = 0; i < m.numel(); ++i) static_cast<float*>(m.data())[i] = -200.0f;
+  in.p.mask = m.view();
+  attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
+  EXPECT_LT(static_cast<const float*>(in.lse.data())[0], -150.0f);
+  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
+  for (detail::Isa isa : test_isas(c.dtype)) {
+    IsaCap cap(isa);
+    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 2);
+    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
+      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
+      EXPECT_LE(max_abs_diff(x, y), 1e-4 * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
+    }
+  }
+}
+
+// fp16 inputs whose products exceed 65504 (q, k ~ 300): the kernel widens to fp32 first.
+TEST(Backward, Float16ProductsBeyondHalfRange) {
+  BwConfig c;
+  c.dtype = DType::f16;
+  c.Sq = 20;
+  c.Sk = 30;
+  c.D = c.Dv = 16;
+  c.scale = 1e-5;
+  BwInputs in = make_inputs(c);
+  for (Tensor* t : {&in.q, &in.k})
+    for (std::int64_t i = 0; i < t->numel(); ++i)
+      store_from_double(t->data(), DType::f16, i, 300.0 * load_as_double(t->data(), DType::f16, i));
+  attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
+  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
+  const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 1);
+  for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
+    const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
+    for (double e : x) ASSERT_TRUE(std::isfinite(e));
+    EXPECT_LE(max_abs_diff(x, y), 1e-3 * std::max(1.0, max_abs(y)));
+  }
+}
+
+// Sq != Sk in both alignments, Sk = 1, D = 1 and odd D, with a window spanning tiles.
+TEST(Backward, EdgeShapes) {
+  for (Alignment a : {Alignment::bottom_right, Alignment::top_left}) {
+    BwConfig c;
+    c.align = a;
+    c.causal = true;
+    c.Sq = 90;
+    c.Sk = 150;
+    c.D = 33;
+    c.Dv = 17;
+    run_backward_case(c);
+    std::swap(c.Sq, c.Sk);
+    run_backward_case(c);
+  }
+  BwConfig one;
+  one.Sq = 5;
+  one.Sk = 1;
+  one.D = one.Dv = 1;
+  run_backward_case(one);
+  BwConfig win;
+  win.Sq = win.Sk = 260;
+  win.D = win.Dv = 64;
+  win.wl = 70;
+  win.wr = 5;
+  run_backward_case(win);
+}
+
+}  // namespace
+}  // namespace qkv::test
