@@ -54,8 +54,9 @@ struct Backward {
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
   static constexpr int SP = BQ + W;  // pitch of key-major tiles, off a power of two
-  static constexpr int kKeyGroup = 4;
+  static constexpr int kKeyGroup = 8;
   static constexpr int kMaxChunks = 4;
+  static constexpr i64 kMinItems = 8;
   static constexpr i64 kPartialBytes = i64{32} << 20;
 
   static i64 dp(const Problem& p) { return round_up(std::max<i64>(p.D, 1), W); }
@@ -75,8 +76,13 @@ struct Backward {
     Plan pl;
     pl.nkb = (p.Sk + BK - 1) / BK;
     pl.rows = p.group() * p.Sq;
+    // Chunks only where (batch, KV head) pairs are too few to share out (fewer than kMinItems):
+    // each chunk packs every query block again and adds a dQ buffer. The count depends on the
+    // problem alone, never on the threads.
     const i64 chunk_bytes = std::max<i64>(pl.rows * dp(p) * 4, 1);
-    pl.C = std::clamp<i64>(kPartialBytes / chunk_bytes, 1, kMaxChunks);
+    const i64 pairs = std::max<i64>(1, p.B * p.Hkv);
+    pl.C = std::min<i64>((kMinItems + pairs - 1) / pairs, kMaxChunks);
+    pl.C = std::min(pl.C, std::max<i64>(1, kPartialBytes / chunk_bytes));
     pl.C = std::max<i64>(1, std::min(pl.C, pl.nkb));
     pl.wave = std::max<i64>(1, kPartialBytes / (pl.C * chunk_bytes));
     pl.lo.assign(p.B, 0);
@@ -127,7 +133,8 @@ struct Backward {
     float* qt;    // [Dp][BQ]   the same, transposed (QK^T)
     float* dor;   // [BQ][Dvp]  dO rows
     float* dot;   // [Dvp][BQ]  dO transposed (dO V^T)
-    float* orow;  // [Dvp]      one row of O (for D)
+    float* orows; // [BQ][Dvp]  O rows converted (when not read in place)
+    float* ot;    // [Dvp][BQ]  O transposed (for D)
     float* s;     // [BK][SP]   scores, then P (key-major)
     float* dps;   // [BK][SP]   dP, then dS
     float* th;    // [BK][SP]   tanh of the softcapped scores
@@ -148,7 +155,7 @@ struct Backward {
 
   static std::size_t ws_bytes(const Problem& p) {
     const std::size_t f = sizeof(float), Dp = dp(p), Dvp = dvp(p);
-    return 2 * align_up(BQ * Dp * f) + 2 * align_up(BQ * Dvp * f) + align_up(Dvp * f) + 3 * align_up(BK * SP * f) +
+    return 2 * align_up(BQ * Dp * f) + 4 * align_up(BQ * Dvp * f) + 3 * align_up(BK * SP * f) +
            2 * align_up(BQ * BK * f) + 4 * align_up(BQ * f) + align_up(std::max(BQ, BK) * f) + align_up(Dp * f) +
            align_up(BQ * sizeof(BRow)) + kKeyGroup * (2 * align_up(BK * Dp * f) + 2 * align_up(BK * Dvp * f));
   }
@@ -161,7 +168,8 @@ struct Backward {
     w.qt = take(BQ * Dp * f);
     w.dor = take(BQ * Dvp * f);
     w.dot = take(BQ * Dvp * f);
-    w.orow = take(Dvp * f);
+    w.orows = take(BQ * Dvp * f);
+    w.ot = take(BQ * Dvp * f);
     w.s = take(BK * SP * f);
     w.dps = take(BK * SP * f);
     w.th = take(BK * SP * f);
@@ -190,11 +198,6 @@ struct Backward {
   }
 
   // ---- rows in and out ---------------------------------------------------------------------
-  // a * b + c rounded as Ops::fma rounds it (fused on the vector ISAs).
-  static float fma1(float a, float b, float c) {
-    if constexpr (W == 1) return Ops::fma(a, b, c);
-    else return std::fma(a, b, c);
-  }
 
   // n elements of a row of any float dtype as fp32 (one switch per row, not per element).
   static void row_f32(const void* base, DType dt, i64 off, float* dst, i64 n) {
@@ -227,7 +230,8 @@ struct Backward {
   }
 
   // dst[c * ld + r] = src[r * pitch + c] for r < rows (rows up to round_up(rows, W) read as 0)
-  // and c < cols (a multiple of W): W x W blocks transposed in registers.
+  // and c < cols (a multiple of W; a source row holds at least cols floats): W x W blocks
+  // transposed in registers.
   static void transpose(const float* src, i64 pitch, int rows, int cols, float* dst, i64 ld) {
     alignas(64) static constexpr float kZeros[W] = {};
     const float* r[W];
@@ -238,11 +242,32 @@ struct Backward {
       }
   }
 
-  // A query block: rows i0 .. i0 + n - 1 of query head h, packed for the tiles.
+  // A query block: rows i0 .. i0 + n - 1 of query head h, packed for the tiles. Q and dO rows are
+  // read in place where they already are fp32 rows of whole vectors (f32, D and Dv multiples of
+  // W), else converted into the workspace; `qs`/`ds` point at row 0 with row strides qss/dss.
   struct QBlock {
     int n, nqv;
     i64 lo_min, hi_max, max_lo, min_hi;  // union and intersection of the rows' key ranges
+    const float* qs;                     // Q rows (the dK += dS^T Q operand)
+    const float* ds;                     // dO rows (the dV += P^T dO operand)
+    i64 qss, dss;
   };
+
+  // The rows of a [B,H,S,X] operand for one block: in place (f32 rows of whole vectors, pitch
+  // = the S stride), or converted into buf (pitch Xp, padded with zeros).
+  static const float* block_rows(const void* data, DType dt, i64 off, i64 ss, int n, i64 X, i64 Xp, float* buf,
+                                 i64& pitch) {
+    if (dt == DType::f32 && X == Xp) {
+      pitch = ss;
+      return static_cast<const float*>(data) + off;
+    }
+    for (int r = 0; r < n; ++r) {
+      row_f32(data, dt, off + r * ss, buf + r * Xp, X);
+      std::fill(buf + r * Xp + X, buf + (r + 1) * Xp, 0.0f);
+    }
+    pitch = Xp;
+    return buf;
+  }
 
   template <Elt E>
   static QBlock pack_block(const BackwardProblem& bp, const Ws& w, i64 b, i64 h, i64 i0) {
@@ -251,20 +276,15 @@ struct Backward {
     QBlock qb;
     qb.n = static_cast<int>(std::min<i64>(BQ, p.Sq - i0));
     qb.nqv = (qb.n + W - 1) / W;
-    const int sp = qb.nqv * W;
+    const int n = qb.n, sp = qb.nqv * W;
     qb.lo_min = std::numeric_limits<i64>::max();
     qb.hi_max = std::numeric_limits<i64>::min();
     qb.max_lo = std::numeric_limits<i64>::min();
     qb.min_hi = std::numeric_limits<i64>::max();
     const float inf = std::numeric_limits<float>::infinity();
     for (int r = 0; r < sp; ++r) {
-      float* q = w.qr + r * Dp;
-      float* d = w.dor + r * Dvp;
-      if (r >= qb.n) {  // padding: zero rows whose P is exactly 0
-        std::fill(q, q + Dp, 0.0f);
-        std::fill(d, d + Dvp, 0.0f);
+      if (r >= n) {  // padding: rows whose P is exactly 0 (lse = +inf) and whose D is 0
         w.lse[r] = inf;
-        w.di[r] = 0.0f;
         w.lo_f[r] = -1e30f;
         w.hi_f[r] = 1e30f;
         continue;
@@ -284,16 +304,6 @@ struct Backward {
       }
       w.lo_f[r] = static_cast<float>(row.lo);
       w.hi_f[r] = static_cast<float>(row.hi);
-      Mk::template to_f32<E>(p.q.data, b * p.q.sb + h * p.q.sh + i * p.q.ss, q, D);
-      std::fill(q + D, q + Dp, 0.0f);
-      row_f32(bp.dout.data, bp.dout.dtype, b * bp.dout.sb + h * bp.dout.sh + i * bp.dout.ss, d, Dv);
-      std::fill(d + Dv, d + Dvp, 0.0f);
-      row_f32(p.out.data, p.out.dtype, b * p.out.sb + h * p.out.sh + i * p.out.ss, w.orow, Dv);
-      // D in the order and with the roundings of the dP microkernel (one FMA chain over x), so
-      // that dP - D cancels exactly where it should (a row whose only key has P = 1).
-      float di = 0.0f;
-      for (i64 x = 0; x < Dv; ++x) di = fma1(d[x], w.orow[x], di);
-      w.di[r] = di;
       const i64 lo = b * p.lse.sb + h * p.lse.sh + i * p.lse.ss;
       const float lse = p.lse.dtype == DType::f64 ? static_cast<float>(static_cast<const double*>(p.lse.data)[lo])
                                                   : static_cast<const float*>(p.lse.data)[lo];
@@ -301,8 +311,26 @@ struct Backward {
       w.lse[r] = lse == -inf ? inf : lse;
     }
     if (qb.lo_min > qb.hi_max) qb.lo_min = qb.hi_max = 0;
-    transpose(w.qr, Dp, sp, static_cast<int>(Dp), w.qt, sp);
-    transpose(w.dor, Dvp, sp, static_cast<int>(Dvp), w.dot, sp);
+
+    // Q, dO and O rows, then Q^T and dO^T (the QK^T and dO V^T operands) and O^T.
+    const DType qdt = E == Elt::f32 ? DType::f32 : E == Elt::bf16 ? DType::bf16 : DType::f16;
+    qb.qs = block_rows(p.q.data, qdt, b * p.q.sb + h * p.q.sh + i0 * p.q.ss, p.q.ss, n, D, Dp, w.qr, qb.qss);
+    qb.ds = block_rows(bp.dout.data, bp.dout.dtype, b * bp.dout.sb + h * bp.dout.sh + i0 * bp.dout.ss, bp.dout.ss, n,
+                       Dv, Dvp, w.dor, qb.dss);
+    i64 oss;
+    const float* os = block_rows(p.out.data, p.out.dtype, b * p.out.sb + h * p.out.sh + i0 * p.out.ss, p.out.ss, n, Dv,
+                                 Dvp, w.orows, oss);
+    transpose(qb.qs, qb.qss, n, static_cast<int>(Dp), w.qt, sp);
+    transpose(qb.ds, qb.dss, n, static_cast<int>(Dvp), w.dot, sp);
+    transpose(os, oss, n, static_cast<int>(Dvp), w.ot, sp);
+    // D = rowsum(dO * O), W rows at a time, one FMA chain over x per row: the order and the
+    // roundings of the dP microkernel, so that dP - D cancels exactly where it should (a row
+    // whose only key has P = 1).
+    for (int c = 0; c < qb.nqv; ++c) {
+      V acc = Ops::zero();
+      for (i64 x = 0; x < Dv; ++x) acc = Ops::fma(Ops::load(w.dot + x * sp + c * W), Ops::load(w.ot + x * sp + c * W), acc);
+      Ops::store(w.di + c * W, acc);
+    }
     return qb;
   }
 
@@ -387,12 +415,12 @@ struct Backward {
     transpose(w.dps, SP, kt, sp, w.dst, BK);
     const int nvd = static_cast<int>(Dp / W), nvv = static_cast<int>(Dvp / W);
     if (full) {
-      Mk::template pv_tile<false>(w.pt, BK, w.dor, Dvp, n, w.dv[x], Dvp, w.ones, kt, nvv, none);
-      Mk::template pv_tile<false>(w.dst, BK, w.qr, Dp, n, w.dk[x], Dp, w.ones, kt, nvd, none);
+      Mk::template pv_tile<false>(w.pt, BK, qb.ds, qb.dss, n, w.dv[x], Dvp, w.ones, kt, nvv, none);
+      Mk::template pv_tile<false>(w.dst, BK, qb.qs, qb.qss, n, w.dk[x], Dp, w.ones, kt, nvd, none);
       Mk::template pv_tile<false>(w.dps, SP, w.kbuf[x], Dp, kt, dq, Dp, w.ones, n, nvd, none);
     } else {
-      Mk::template pv_tile<true>(w.pt, BK, w.dor, Dvp, n, w.dv[x], Dvp, w.ones, kt, nvv, none);
-      Mk::template pv_tile<true>(w.dst, BK, w.qr, Dp, n, w.dk[x], Dp, w.ones, kt, nvd, none);
+      Mk::template pv_tile<true>(w.pt, BK, qb.ds, qb.dss, n, w.dv[x], Dvp, w.ones, kt, nvv, none);
+      Mk::template pv_tile<true>(w.dst, BK, qb.qs, qb.qss, n, w.dk[x], Dp, w.ones, kt, nvd, none);
       Mk::template pv_tile<true>(w.dps, SP, w.kbuf[x], Dp, kt, dq, Dp, w.ones, n, nvd, none);
     }
   }
@@ -425,8 +453,8 @@ struct Backward {
     for (i64 j = k0; j < k1; ++j)
       if (j < ulo || j >= uhi) {
         store_row(bp.dk, dkb + j * bp.dk.ss, w.acc, D);
-        std::fill(w.orow, w.orow + Dvp, 0.0f);
-        store_row(bp.dv, dvb + j * bp.dv.ss, w.orow, Dv);
+        std::fill(w.orows, w.orows + Dvp, 0.0f);
+        store_row(bp.dv, dvb + j * bp.dv.ss, w.orows, Dv);
       }
 
     const i64 a0 = std::max(k0, ulo), a1 = std::min(k1, uhi);
