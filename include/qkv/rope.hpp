@@ -65,4 +65,17 @@ void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, co
 /// Convenience: positions start, start+1, ..., start+S-1 for every batch row.
 void apply_rope(const TensorView& x, std::int64_t start, const RopeConfig& config = {});
 
+/// The inverse rotation, in place: each pair is rotated by -p w_j,
+///     x_a' = x_a cos(p w_j) + x_b sin(p w_j)
+///     x_b' = x_b cos(p w_j) - x_a sin(p w_j)
+/// with the same cos and sin values apply_rope() computes (both RopeAngles), i.e. the transpose
+/// of apply_rope()'s rotation matrix. It undoes apply_rope() (to rounding), and it is RoPE's
+/// backward: for y = apply_rope(x), dL/dx = apply_rope_inverse(dL/dy) at the same positions.
+/// Arguments and errors as apply_rope().
+void apply_rope_inverse(const TensorView& x, std::span<const std::int64_t> positions,
+                        const RopeConfig& config = {});
+
+/// Convenience: positions start, start+1, ..., start+S-1 for every batch row.
+void apply_rope_inverse(const TensorView& x, std::int64_t start, const RopeConfig& config = {});
+
 }  // namespace qkv

@@ -1,5 +1,6 @@
 // Rotary position embedding (Su et al. 2021, RoFormer sec. 3.4), in place on [B,H,S,D] views.
-// Per token, the R/2 angles are computed once and reused by every head.
+// Per token, the R/2 angles are computed once and reused by every head. The inverse uses the
+// same cos and sin values with the sine negated: the transpose of the forward's rotation.
 #include "qkv/rope.hpp"
 
 #include <cmath>
@@ -26,7 +27,7 @@ void rotate_row(T* x, const A* c, const A* sn, std::int64_t half, RopeStyle styl
 
 template <class T, class A>
 void rope_impl(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg,
-               std::int64_t R) {
+               std::int64_t R, bool inverse) {
   const std::int64_t B = x.size(0), H = x.size(1), S = x.size(2), half = R / 2;
   const std::int64_t sb = x.stride(0), sh = x.stride(1), ss = x.stride(2);
   const bool per_batch = static_cast<std::int64_t>(positions.size()) == B * S && S > 0 && B > 1;
@@ -49,16 +50,15 @@ void rope_impl(const TensorView& x, std::span<const std::int64_t> positions, con
     for (std::int64_t j = 0; j < half; ++j) {
       const A val = static_cast<A>(pos) * inv_freq[j];
       c[j] = std::cos(val);
-      sn[j] = std::sin(val);
+      sn[j] = inverse ? -std::sin(val) : std::sin(val);
     }
     for (std::int64_t h = 0; h < H; ++h)
       rotate_row(base + b * sb + h * sh + t * ss, c.data(), sn.data(), half, cfg.style);
   }
 }
 
-}  // namespace
-
-void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& config) {
+void rope(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& config,
+          bool inverse) {
   if (x.rank() != 4)
     throw Error("rope: x: expected a 4-D tensor [B,H,S,D], got shape " + shape_str(x.shape()));
   if (x.size(3) > 1 && x.stride(3) != 1)
@@ -84,24 +84,43 @@ void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, co
   const bool f32_angles = config.angles == RopeAngles::llama2c_f32;
   if (x.dtype() == DType::f32) {
     if (f32_angles)
-      rope_impl<float, float>(x, positions, config, R);
+      rope_impl<float, float>(x, positions, config, R, inverse);
     else
-      rope_impl<float, double>(x, positions, config, R);
+      rope_impl<float, double>(x, positions, config, R, inverse);
   } else {
     if (f32_angles)
-      rope_impl<double, float>(x, positions, config, R);
+      rope_impl<double, float>(x, positions, config, R, inverse);
     else
-      rope_impl<double, double>(x, positions, config, R);
+      rope_impl<double, double>(x, positions, config, R, inverse);
   }
 }
 
-void apply_rope(const TensorView& x, std::int64_t start, const RopeConfig& config) {
+std::vector<std::int64_t> positions_from(const TensorView& x, std::int64_t start) {
   if (x.rank() != 4)
     throw Error("rope: x: expected a 4-D tensor [B,H,S,D], got shape " + shape_str(x.shape()));
   if (start < 0) throw Error("rope: start: expected a position >= 0, got " + std::to_string(start));
   std::vector<std::int64_t> pos(static_cast<std::size_t>(x.size(2)));
   for (std::size_t i = 0; i < pos.size(); ++i) pos[i] = start + static_cast<std::int64_t>(i);
-  apply_rope(x, pos, config);
+  return pos;
+}
+
+}  // namespace
+
+void apply_rope(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& config) {
+  rope(x, positions, config, false);
+}
+
+void apply_rope(const TensorView& x, std::int64_t start, const RopeConfig& config) {
+  rope(x, positions_from(x, start), config, false);
+}
+
+void apply_rope_inverse(const TensorView& x, std::span<const std::int64_t> positions,
+                        const RopeConfig& config) {
+  rope(x, positions, config, true);
+}
+
+void apply_rope_inverse(const TensorView& x, std::int64_t start, const RopeConfig& config) {
+  rope(x, positions_from(x, start), config, true);
 }
 
 }  // namespace qkv
