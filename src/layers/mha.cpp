@@ -14,12 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "layers/mha_common.hpp"
 #include "qkv/error.hpp"
 #include "tensor/convert.hpp"
 
 namespace qkv {
-namespace {
-
+namespace mha_detail {
 
 // Pitch (elements) between consecutive flattened (b, s) rows of a [B, S, width] layout with
 // strides s0, s1, or 0 if the rows are not evenly spaced at >= width apart.
@@ -90,6 +90,60 @@ void check_act(const TensorView& t, const char* name, const char* axes, std::int
   if (!t.data() && t.numel() > 0) throw Error(std::string("mha: ") + name + ": data pointer is null");
 }
 
+std::vector<std::int64_t> iota_positions(std::int64_t S) {
+  std::vector<std::int64_t> p(static_cast<std::size_t>(S));
+  std::iota(p.begin(), p.end(), std::int64_t{0});
+  return p;
+}
+
+QkvHeads project_self(const TensorView& x, const TensorView& w_in, const float* b_in, const MhaConfig& cfg) {
+  const std::int64_t B = x.size(0), S = x.size(1), N = w_in.size(0);
+  const std::int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim, Dv = cfg.head_dim_v;
+  QkvHeads r{Tensor(DType::f32, {B, S, N}), Tensor(), {}, {}, {}};
+  linear(x, w_in.data_as<const float>(), cfg.d_model, N, b_in, r.pq.data_as<float>(), S * N, N);
+  float* pd = r.pq.data_as<float>();
+  r.q = TensorView(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
+  r.k = TensorView(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
+  r.v = TensorView(pd + Hq * D + Hkv * D, DType::f32, {B, Hkv, S, Dv}, {S * N, Dv, N, 1});
+  return r;
+}
+
+QkvHeads project_cross(const TensorView& x_q, const TensorView& x_kv, const TensorView& w_in,
+                       const float* b_in, const MhaConfig& cfg) {
+  const std::int64_t B = x_q.size(0), Sq = x_q.size(1), Sk = x_kv.size(1);
+  const std::int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim, Dv = cfg.head_dim_v;
+  const std::int64_t Nq = Hq * D, Nkv = Hkv * (D + Dv);
+  const float* w = w_in.data_as<const float>();
+  QkvHeads r{Tensor(DType::f32, {B, Sq, Nq}), Tensor(DType::f32, {B, Sk, Nkv}), {}, {}, {}};
+  linear(x_q, w, cfg.d_model, Nq, b_in, r.pq.data_as<float>(), Sq * Nq, Nq);
+  // W_K and W_V are adjacent rows of the packed matrix: one GEMM for both.
+  linear(x_kv, w + Nq * cfg.d_model, cfg.d_model, Nkv, b_in ? b_in + Nq : nullptr, r.pkv.data_as<float>(),
+         Sk * Nkv, Nkv);
+  r.q = TensorView(r.pq.data(), DType::f32, {B, Hq, Sq, D}, {Sq * Nq, D, Nq, 1});
+  r.k = TensorView(r.pkv.data(), DType::f32, {B, Hkv, Sk, D}, {Sk * Nkv, D, Nkv, 1});
+  r.v = TensorView(r.pkv.data_as<float>() + Hkv * D, DType::f32, {B, Hkv, Sk, Dv}, {Sk * Nkv, Dv, Nkv, 1});
+  return r;
+}
+
+RopePositions::RopePositions(const MhaOptions& o, std::int64_t Sq, std::int64_t Sk, bool self)
+    : q_opt_(o.q_positions), k_opt_(o.k_positions), self_(self) {
+  if (q_opt_.empty()) q_def_ = iota_positions(Sq);
+  if (k_opt_.empty() && !self) k_def_ = iota_positions(Sk);
+}
+std::span<const std::int64_t> RopePositions::q() const {
+  return q_opt_.empty() ? std::span<const std::int64_t>(q_def_) : q_opt_;
+}
+std::span<const std::int64_t> RopePositions::k() const {
+  if (!k_opt_.empty()) return k_opt_;
+  return self_ ? q() : std::span<const std::int64_t>(k_def_);
+}
+
+}  // namespace mha_detail
+
+namespace {
+using mha_detail::check_act;
+using mha_detail::linear;
+
 // Self-attention input x and output y: both [B,S,d_model] float32, the same B and S.
 void check_self_io(const TensorView& x, const TensorView& y, std::int64_t d_model) {
   check_act(x, "x", "[B,S,d_model]", d_model);
@@ -98,12 +152,6 @@ void check_self_io(const TensorView& x, const TensorView& y, std::int64_t d_mode
   if (y.size(0) != B || y.size(1) != S)
     throw Error("mha: y: expected shape [B,S,d_model] = " + shape_str({B, S, d_model}) + ", got " +
                 shape_str(y.shape()));
-}
-
-std::vector<std::int64_t> iota_positions(std::int64_t S) {
-  std::vector<std::int64_t> p(static_cast<std::size_t>(S));
-  std::iota(p.begin(), p.end(), std::int64_t{0});
-  return p;
 }
 
 // Averages probs [B,Hq,Sq,Sk] over the heads into dst [B,Sq,Sk] (any strides).
@@ -147,24 +195,6 @@ ProbsPlan plan_probs(const MhaOptions& o, std::int64_t B, std::int64_t Hq, std::
 
 void finish_probs(const ProbsPlan& plan, const MhaOptions& o) {
   if (plan.all) average_heads(*plan.all, *o.probs);
-}
-
-// The packed projection of self-attention: one GEMM gives proj [B, S, Hq*D | Hkv*D | Hkv*Dv],
-// and q, k, v are strided [B, H, S, D] views of it (BSHD), never copies.
-struct PackedQkv {
-  Tensor proj;
-  TensorView q, k, v;
-};
-PackedQkv project_packed(const TensorView& x, const Tensor& w_in, const float* b_in, const MhaConfig& cfg) {
-  const std::int64_t B = x.size(0), S = x.size(1), N = w_in.shape()[0];
-  const std::int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim, Dv = cfg.head_dim_v;
-  PackedQkv r{Tensor(DType::f32, {B, S, N}), {}, {}, {}};
-  linear(x, w_in.data_as<const float>(), cfg.d_model, N, b_in, r.proj.data_as<float>(), S * N, N);
-  float* pd = r.proj.data_as<float>();
-  r.q = TensorView(pd, DType::f32, {B, Hq, S, D}, {S * N, D, N, 1});
-  r.k = TensorView(pd + Hq * D, DType::f32, {B, Hkv, S, D}, {S * N, D, N, 1});
-  r.v = TensorView(pd + Hq * D + Hkv * D, DType::f32, {B, Hkv, S, Dv}, {S * N, Dv, N, 1});
-  return r;
 }
 
 }  // namespace
@@ -241,15 +271,13 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
   check_self_io(x, y, cfg_.d_model);
   const std::int64_t B = x.size(0), S = x.size(1);
   const std::int64_t Hq = cfg_.num_heads, Dv = cfg_.head_dim_v;
-  const PackedQkv packed = project_packed(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
-  const TensorView &q = packed.q, &k = packed.k, &v = packed.v;
+  const mha_detail::QkvHeads heads =
+      mha_detail::project_self(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
+  const TensorView &q = heads.q, &k = heads.k, &v = heads.v;
   if (cfg_.rope) {
-    const std::vector<std::int64_t> def =
-        options.q_positions.empty() ? iota_positions(S) : std::vector<std::int64_t>{};
-    const auto qp = options.q_positions.empty() ? std::span<const std::int64_t>(def) : options.q_positions;
-    const auto kp = options.k_positions.empty() ? qp : options.k_positions;
-    apply_rope(q, qp, *cfg_.rope);
-    apply_rope(k, kp, *cfg_.rope);
+    const mha_detail::RopePositions pos(options, S, S, true);
+    apply_rope(q, pos.q(), *cfg_.rope);
+    apply_rope(k, pos.k(), *cfg_.rope);
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
@@ -273,24 +301,14 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
   if (y.size(0) != B || y.size(1) != Sq)
     throw Error("mha: y: expected shape [B,Sq,d_model] = " + shape_str({B, Sq, cfg_.d_model}) + ", got " +
                 shape_str(y.shape()));
-  const std::int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim, Dv = cfg_.head_dim_v;
-  const std::int64_t Nq = Hq * D, Nkv = Hkv * (D + Dv);
-  const float* w = w_in_.data_as<const float>();
-  const float* bias = cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr;
-  Tensor pq(DType::f32, {B, Sq, Nq}), pkv(DType::f32, {B, Sk, Nkv});
-  linear(x_q, w, cfg_.d_model, Nq, bias, pq.data_as<float>(), Sq * Nq, Nq);
-  // W_K and W_V are adjacent rows of the packed matrix: one GEMM for both.
-  linear(x_kv, w + Nq * cfg_.d_model, cfg_.d_model, Nkv, bias ? bias + Nq : nullptr, pkv.data_as<float>(),
-         Sk * Nkv, Nkv);
-  const TensorView q(pq.data(), DType::f32, {B, Hq, Sq, D}, {Sq * Nq, D, Nq, 1});
-  const TensorView k(pkv.data(), DType::f32, {B, Hkv, Sk, D}, {Sk * Nkv, D, Nkv, 1});
-  const TensorView v(pkv.data_as<float>() + Hkv * D, DType::f32, {B, Hkv, Sk, Dv}, {Sk * Nkv, Dv, Nkv, 1});
+  const std::int64_t Hq = cfg_.num_heads, Dv = cfg_.head_dim_v;
+  const float* b_in = cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr;
+  const mha_detail::QkvHeads heads = mha_detail::project_cross(x_q, x_kv, w_in_, b_in, cfg_);
+  const TensorView &q = heads.q, &k = heads.k, &v = heads.v;
   if (cfg_.rope) {
-    const std::vector<std::int64_t> dq = iota_positions(Sq), dk = iota_positions(Sk);
-    apply_rope(q, options.q_positions.empty() ? std::span<const std::int64_t>(dq) : options.q_positions,
-               *cfg_.rope);
-    apply_rope(k, options.k_positions.empty() ? std::span<const std::int64_t>(dk) : options.k_positions,
-               *cfg_.rope);
+    const mha_detail::RopePositions pos(options, Sq, Sk, false);
+    apply_rope(q, pos.q(), *cfg_.rope);
+    apply_rope(k, pos.k(), *cfg_.rope);
   }
   Tensor o(DType::f32, {B, Sq, Hq * Dv});
   const TensorView ov(o.data(), DType::f32, {B, Hq, Sq, Dv}, {Sq * Hq * Dv, Dv, Hq * Dv, 1});
@@ -319,8 +337,9 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
       throw Error("kv_cache: append of " + std::to_string(S) + " tokens to sequence " + std::to_string(b) + " at length " +
                   std::to_string(cache.length(b)) + " exceeds the capacity " + std::to_string(cache.capacity()) + " (" +
                   std::to_string(cache.length(b) + S) + " > " + std::to_string(cache.capacity()) + ")");
-  const PackedQkv packed = project_packed(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
-  const TensorView &q = packed.q, &k = packed.k, &v = packed.v;
+  const mha_detail::QkvHeads heads =
+      mha_detail::project_self(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
+  const TensorView &q = heads.q, &k = heads.k, &v = heads.v;
   if (cfg_.rope) {
     const std::vector<std::int64_t> pos = cache.next_positions(S);
     apply_rope(q, pos, *cfg_.rope);
