@@ -18,8 +18,20 @@
 /// so self-attention runs ONE GEMM for q, k and v; the heads are strided views of that GEMM's
 /// output, never copied. Projections run on OpenBLAS (cblas_sgemm); all tensors are float32.
 ///
-/// Thread safety: forward() is const and may run concurrently on one layer (each call allocates
-/// its own buffers); the KV-cache overload mutates only the cache it is given.
+/// Backward (backward()): the gradients of a loss L with respect to the inputs and every weight,
+/// given dy = dL/dy: the chain rule through each step above, last to first (docs/layers.md,
+/// "Backward"); the attention step is FlashAttention-2's backward (Dao 2023, Algorithm 2;
+/// backward.hpp). Sums run over every (b, s) row:
+///   dW_O += dy^T o,  db_O += sum dy,  do = dy W_O
+///   dq, dk, dv = attention_backward(q, k, v, o, softmax_lse, do)   (GQA: dk, dv per KV head)
+///   dq, dk <- apply_rope_inverse(dq), apply_rope_inverse(dk)         (if configured; rope.hpp)
+///   dW_Q += dq^T x_q, dW_K += dk^T x_kv, dW_V += dv^T x_kv,  db_* += column sums of dq, dk, dv
+///   dx_q = dq W_Q,   dx_kv = dk W_K + dv W_V                          (self-attention: dx = both)
+/// q, k, v, o and softmax_lse are recomputed from the inputs (nothing is saved by forward()).
+///
+/// Thread safety: forward() and backward() are const and may run concurrently on one layer (each
+/// call allocates its own buffers) provided their outputs (y, dx, MhaGrads) are distinct; the
+/// KV-cache overload mutates only the cache it is given.
 
 #include <cstdint>
 #include <filesystem>
@@ -47,7 +59,7 @@ struct MhaConfig {
   std::optional<RopeConfig> rope;  ///< RoPE on q and k after their projections (none by default)
 };
 
-/// Per-call options of MultiHeadAttention::forward().
+/// Per-call options of MultiHeadAttention::forward() and backward().
 struct MhaOptions {
   /// Passed to qkv::attention(): causal, window, align, scale (default 1/sqrt(D), as PyTorch),
   /// softcap, mask (bool true = attend, or additive; broadcastable to [B,Hq,Sq,Sk]; see
@@ -65,6 +77,8 @@ struct MhaOptions {
   std::optional<TensorView> probs;
   bool average_heads = false;
 };
+
+class MhaGrads;
 
 class MultiHeadAttention {
  public:
@@ -121,6 +135,65 @@ class MultiHeadAttention {
   ///         when the cache would overflow its capacity (nothing is appended then).
   void forward(const TensorView& x, KVCache& cache, const TensorView& y,
                const MhaOptions& options = {}) const;
+
+  /// Backward of self-attention forward(x, y, options) (the file comment gives the math).
+  ///
+  /// @param x      [B, S, d_model] float32, the forward's input
+  /// @param dy     [B, S, d_model] float32, dL/dy
+  /// @param dx     [B, S, d_model] float32, written: dL/dx. It may alias x or dy (both are fully
+  ///               read before dx is written).
+  /// @param grads  MhaGrads(*this): the weight gradients are ACCUMULATED into it (+=, as PyTorch's
+  ///               .grad), so that several calls sum; MhaGrads::zero() resets it.
+  /// @param options the forward's options: attention params (causal, window, align, scale, softcap,
+  ///               mask, kv_lens, kernel, num_threads; the backward runs qkv::attention and
+  ///               qkv::attention_backward with them) and RoPE positions. probs and
+  ///               average_heads are ignored (nothing is written there).
+  /// All activations: a contiguous last dimension, other strides free (as forward()).
+  /// @throws qkv::Error naming the argument (x, dy, dx, grads): wrong rank, shape or dtype
+  ///         (dy and dx must be [B,S,d_model] with x's B and S), grads of another shape of layer,
+  ///         and anything qkv::attention() or qkv::attention_backward() refuses.
+  void backward(const TensorView& x, const TensorView& dy, const TensorView& dx, MhaGrads& grads,
+                const MhaOptions& options = {}) const;
+
+  /// Backward of cross-attention forward(x_q, x_kv, y, options): x_q [B,Sq,d_model], x_kv
+  /// [B,Sk,d_model], dy [B,Sq,d_model]; writes dx_q [B,Sq,d_model] and dx_kv [B,Sk,d_model] (which
+  /// must not overlap each other; either may alias x_q, x_kv or dy) and accumulates into grads.
+  /// Options and errors as the self-attention overload (arguments x_q, x_kv, dy, dx_q, dx_kv, grads).
+  void backward(const TensorView& x_q, const TensorView& x_kv, const TensorView& dy,
+                const TensorView& dx_q, const TensorView& dx_kv, MhaGrads& grads,
+                const MhaOptions& options = {}) const;
+
+ private:
+  MhaConfig cfg_;
+  Tensor w_in_, b_in_, w_o_, b_o_;
+};
+
+/// Gradients of a MultiHeadAttention layer's weights: float32, stored and viewed exactly as the
+/// layer stores its weights (grads.w_q() has the shape of layer.w_q(), grads.in_proj_weight() is
+/// the packed [dW_Q; dW_K; dW_V], ...), so an optimizer pairs layer.X() with grads.X().
+class MhaGrads {
+ public:
+  MhaGrads() = default;
+  /// Zeroed gradients of `layer`'s shapes (biases empty when the layer has none).
+  /// @throws qkv::Error for a default-constructed layer.
+  explicit MhaGrads(const MultiHeadAttention& layer);
+
+  /// The config of the layer the gradients were sized for (default-constructed: d_model = 0).
+  const MhaConfig& config() const noexcept { return cfg_; }
+  /// Sets every gradient to 0.
+  void zero();
+
+  /// Writable float32 views, the shapes of the layer's (biases: empty views when disabled).
+  TensorView w_q() const;  ///< [Hq*D, d_model]
+  TensorView w_k() const;  ///< [Hkv*D, d_model]
+  TensorView w_v() const;  ///< [Hkv*Dv, d_model]
+  TensorView w_o() const { return w_o_.view(); }  ///< [d_model, Hq*Dv]
+  TensorView b_q() const;  ///< [Hq*D]
+  TensorView b_k() const;  ///< [Hkv*D]
+  TensorView b_v() const;  ///< [Hkv*Dv]
+  TensorView b_o() const;  ///< [d_model]
+  TensorView in_proj_weight() const { return w_in_.view(); }  ///< [Hq*D + Hkv*D + Hkv*Dv, d_model]
+  TensorView in_proj_bias() const;                           ///< [Hq*D + Hkv*D + Hkv*Dv]
 
  private:
   MhaConfig cfg_;
