@@ -396,9 +396,10 @@ struct DecodeFast {
   static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
     if (blk.n == 1) {
       // q and the output row in registers when they fit: D = Dv = N vectors, N <= kStreamRegs.
-      if (p.D == p.Dv &&
-          with_int<1, kStreamRegs>(p.D / W, [&]<int N>() __attribute__((always_inline)) { process_fast_stream_regs<E, N>(p, blk, w); }))
-        return;
+      const auto in_regs = [&]<int N>() __attribute__((always_inline)) {
+        process_fast_stream_regs<E, N>(p, blk, w);
+      };
+      if (p.D == p.Dv && with_int<1, kStreamRegs>(p.D / W, in_regs)) return;
       return process_fast_stream<E>(p, blk, w);
     }
     process_fast_tiles<E>(p, blk, w);

@@ -105,7 +105,9 @@ struct Microkernels {
   static void qk_tile(const float* qt, int nqv, const float* k, i64 ks, i64 D, int kt, float* s, int ssp,
                       Prefetch& pf) {
     const int sp = nqv * W;
-    with_int<1, NQV_MAX>(nqv, [&]<int NQV>() __attribute__((always_inline)) { qk_rows<NQV>(qt, sp, k, ks, D, kt, s, ssp, pf); });
+    with_int<1, NQV_MAX>(nqv, [&]<int NQV>() __attribute__((always_inline)) {
+      qk_rows<NQV>(qt, sp, k, ks, D, kt, s, ssp, pf);
+    });
     pf.rest();
   }
 
