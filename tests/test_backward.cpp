@@ -130,6 +130,30 @@ TEST(Backward, FullyMaskedRowGivesZeroDq) {
       for (std::int64_t x = 0; x < 32; ++x) ASSERT_EQ(get(dq, off4(dq, 0, h, i, x)), 0.0) << "row " << i;
 }
 
+// NaN in a value that only some rows admit (causal: rows i >= 50 admit key 50): the rows that
+// read it get NaN exactly where the float64 backward does, the others stay finite and exact.
+TEST(Backward, NaNStaysInTheRowsThatReadIt) {
+  BwConfig c;
+  c.Hq = c.Hkv = 1;
+  c.Sq = c.Sk = 100;
+  c.D = c.Dv = 16;
+  c.causal = true;
+  BwInputs in = make_inputs(c);
+  for (std::int64_t x = 0; x < c.Dv; ++x) static_cast<float*>(in.v.data())[50 * c.Dv + x] = std::numeric_limits<float>::quiet_NaN();
+  attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
+  const auto ref = bhsd(in.view(run_backward(in, DType::f64, KernelKind::reference, 1).dq));
+  for (detail::Isa isa : test_isas(c.dtype)) {
+    IsaCap cap(isa);
+    const auto got = bhsd(in.view(run_backward(in, DType::f32, KernelKind::flash, 2).dq));
+    for (std::size_t e = 0; e < got.size(); ++e) {
+      ASSERT_EQ(std::isnan(got[e]), std::isnan(ref[e])) << detail::isa_name(isa) << " element " << e;
+      if (!std::isnan(ref[e])) EXPECT_NEAR(got[e], ref[e], 1e-4) << detail::isa_name(isa) << " element " << e;
+    }
+    EXPECT_FALSE(std::isnan(got[49 * c.D])) << "row 49 does not admit key 50";
+    EXPECT_TRUE(std::isnan(got[50 * c.D])) << "row 50 admits key 50";
+  }
+}
+
 // softmax_lse far below -88 (every score shifted by an additive mask of -200): the padded rows of
 // a tile must still get P = 0, never exp(0 - lse) = inf.
 TEST(Backward, VeryNegativeLse) {

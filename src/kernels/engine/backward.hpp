@@ -388,17 +388,23 @@ struct Backward {
         }
     }
 
-    // dP = dO V^T, then dS = scale P (dP - D) (softcap: times 1 - tanh^2); excluded: 0.
+    // dP = dO V^T, then dS = scale P (dP - D) (softcap: times 1 - tanh^2). An excluded (row,
+    // key) has P = 0 and so dS = 0 already unless dP is not finite (NaN or inf in a value or in
+    // dO): the sum of a partial tile's dS, kept on the side, says whether the scalar pass that
+    // zeroes those must run.
     Mk::qk_tile(w.dot, nqv, w.vbuf[x], Dvp, Dv, kt, w.dps, SP, none);
     const V vs = Ops::set1(scale);
+    V check = Ops::zero();
     for (int c = 0; c < nqv; ++c) {
       const V di = Ops::load(w.di + c * W);
       for (int j = 0; j < kt; ++j) {
         float* e = w.dps + j * SP + c * W;
-        Ops::store(e, Ops::mul(Ops::mul(Ops::load(w.s + j * SP + c * W), Ops::sub(Ops::load(e), di)), vs));
+        const V ds = Ops::mul(Ops::mul(Ops::load(w.s + j * SP + c * W), Ops::sub(Ops::load(e), di)), vs);
+        Ops::store(e, ds);
+        if (!full) check = Ops::add(check, ds);
       }
     }
-    if (CAP || !full)
+    if (CAP || (!full && !std::isfinite(Ops::hsum(check))))
       for (int j = 0; j < kt; ++j)
         for (int r = 0; r < sp; ++r) {
           float& e = w.dps[j * SP + r];
