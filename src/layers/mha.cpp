@@ -96,6 +96,11 @@ std::vector<std::int64_t> iota_positions(std::int64_t S) {
   return p;
 }
 
+TensorView heads_view(const Tensor& t, std::int64_t H) {
+  const std::int64_t B = t.shape()[0], S = t.shape()[1], W = t.shape()[2], d = W / H;
+  return TensorView(t.data(), DType::f32, {B, H, S, d}, {std::max<std::int64_t>(S, 1) * W, d, W, 1});
+}
+
 QkvHeads project_self(const TensorView& x, const TensorView& w_in, const float* b_in, const MhaConfig& cfg) {
   const std::int64_t B = x.size(0), S = x.size(1), N = w_in.size(0);
   const std::int64_t Hq = cfg.num_heads, Hkv = cfg.num_kv_heads, D = cfg.head_dim, Dv = cfg.head_dim_v;
@@ -280,7 +285,7 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
     apply_rope(k, pos.k(), *cfg_.rope);
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
-  const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
+  const TensorView ov = mha_detail::heads_view(o, Hq);
   const ProbsPlan probs = plan_probs(options, B, Hq, S, S, "");
   attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
   finish_probs(probs, options);
@@ -311,7 +316,7 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
     apply_rope(k, pos.k(), *cfg_.rope);
   }
   Tensor o(DType::f32, {B, Sq, Hq * Dv});
-  const TensorView ov(o.data(), DType::f32, {B, Hq, Sq, Dv}, {Sq * Hq * Dv, Dv, Hq * Dv, 1});
+  const TensorView ov = mha_detail::heads_view(o, Hq);
   const ProbsPlan probs = plan_probs(options, B, Hq, Sq, Sk, "");
   attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
   finish_probs(probs, options);
@@ -346,7 +351,7 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
     apply_rope(k, pos, *cfg_.rope);
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
-  const TensorView ov(o.data(), DType::f32, {B, Hq, S, Dv}, {S * Hq * Dv, Dv, Hq * Dv, 1});
+  const TensorView ov = mha_detail::heads_view(o, Hq);
   // Appending first makes the new tokens visible to their own queries (the diagonal).
   const std::vector<std::int64_t> saved(cache.lengths().begin(), cache.lengths().end());
   cache.append(k, v);

@@ -23,6 +23,7 @@ namespace qkv {
 namespace {
 
 using mha_detail::check_act;
+using mha_detail::heads_view;
 using mha_detail::row_pitch;
 
 // The rows of a [B, S, width] float32 layout: row (b, s) starts at p + b*sb + s*ss and holds
@@ -91,12 +92,6 @@ void rows_times(const Rows& a, const float* w, std::int64_t ldw, const Rows& c, 
   for (std::int64_t r = 0; r < a.B; ++r) gemm(a.batch(r), a.ld(), c.batch(r), c.ld(), a.S);
 }
 
-// A [B, S, width] BSHD buffer seen as heads [B, H, S, width / H].
-TensorView heads_of(const Tensor& t, std::int64_t H) {
-  const std::int64_t B = t.shape()[0], S = t.shape()[1], W = t.shape()[2], d = W / H;
-  return TensorView(t.data(), DType::f32, {B, H, S, d}, {S * W, d, W, 1});
-}
-
 // Byte ranges of two views intersect (the views' extents, as qkv::attention checks outputs).
 bool overlaps(const TensorView& a, const TensorView& b) {
   if (a.numel() == 0 || b.numel() == 0 || !a.data() || !b.data()) return false;
@@ -155,7 +150,7 @@ void mha_backward(const MultiHeadAttention& m, const TensorView& x_q, const Tens
     apply_rope(h.k, pos->k(), *c.rope);
   }
   const Tensor out(DType::f32, {B, Sq, Hq * Dv}), lse(DType::f32, {B, Hq, Sq});
-  const TensorView out_heads = heads_of(out, Hq);
+  const TensorView out_heads = heads_view(out, Hq);
   attention(h.q, h.k, h.v, out_heads, o.attention, lse.view());
 
   // y = o W_O^T + b_O:  dW_O += dy^T o,  db_O += sum dy,  do = dy W_O.
@@ -168,11 +163,11 @@ void mha_backward(const MultiHeadAttention& m, const TensorView& x_q, const Tens
   // Attention, then RoPE's transpose on dq and dk (gradients of the pre-rotation q and k).
   const Tensor dq(DType::f32, {B, Sq, Hq * D}), dk(DType::f32, {B, Sk, Hkv * D});
   const Tensor dv(DType::f32, {B, Sk, Hkv * Dv});
-  attention_backward(h.q, h.k, h.v, out_heads, lse.view(), heads_of(dout, Hq), heads_of(dq, Hq),
-                     heads_of(dk, Hkv), heads_of(dv, Hkv), o.attention);
+  attention_backward(h.q, h.k, h.v, out_heads, lse.view(), heads_view(dout, Hq), heads_view(dq, Hq),
+                     heads_view(dk, Hkv), heads_view(dv, Hkv), o.attention);
   if (c.rope) {
-    apply_rope_inverse(heads_of(dq, Hq), pos->q(), *c.rope);
-    apply_rope_inverse(heads_of(dk, Hkv), pos->k(), *c.rope);
+    apply_rope_inverse(heads_view(dq, Hq), pos->q(), *c.rope);
+    apply_rope_inverse(heads_view(dk, Hkv), pos->k(), *c.rope);
   }
 
   // q = x_q W_Q^T + b_Q etc.: the weight gradients first (the last reads of x_q, x_kv), then dx.

@@ -26,6 +26,10 @@ void check_act(const TensorView& t, const char* name, const char* axes, std::int
 
 std::vector<std::int64_t> iota_positions(std::int64_t S);
 
+// A [B, S, H*d] buffer (BSHD) seen as heads [B, H, S, d]. The batch stride stays non-zero when
+// S = 0, so the view is a valid attention output even then.
+TensorView heads_view(const Tensor& t, std::int64_t H);
+
 // q [B,Hq,Sq,D], k [B,Hkv,Sk,D], v [B,Hkv,Sk,Dv]: strided views of projection buffers (BSHD).
 struct QkvHeads {
   Tensor pq, pkv;  // self-attention: pq holds all three ([B,S,Hq*D | Hkv*D | Hkv*Dv]), pkv is empty
