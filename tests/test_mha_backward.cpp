@@ -498,6 +498,39 @@ TEST(MhaBackward, AccumulatesWeightGradientsAndAllowsAliasing) {
     EXPECT_NEAR(gc.in_proj_weight().data_as<float>()[i], g1.in_proj_weight().data_as<float>()[i], 1e-5);
 }
 
+// Empty shapes (forward and backward): no tokens at all, and cross-attention with no keys
+// (O = 0, so y = b_O: only db_O = sum dy is non-zero and dx_q = 0).
+TEST(MhaBackward, EmptyShapes) {
+  const MultiHeadAttention m = make_layer(cfg(12, 4, 2));
+  const std::int64_t dm = 12;
+  {
+    const Tensor x(DType::f32, {2, 0, dm}), dy(DType::f32, {2, 0, dm}), dx(DType::f32, {2, 0, dm});
+    MhaGrads g(m);
+    m.forward(x, dx);
+    m.backward(x, dy, dx, g);
+    for (const TensorView& t : {g.in_proj_weight(), g.in_proj_bias(), g.w_o(), g.b_o()})
+      for (std::int64_t i = 0; i < t.numel(); ++i) EXPECT_EQ(t.data_as<float>()[i], 0.f);
+  }
+  const Act xq = make_act(2, 3, dm, Layout::contiguous, 1), dy = make_act(2, 3, dm, Layout::contiguous, 2);
+  const Tensor xkv(DType::f32, {2, 0, dm}), dxkv(DType::f32, {2, 0, dm});
+  Act dxq = make_act(2, 3, dm, Layout::contiguous, 3);
+  MhaGrads g(m);
+  Tensor y(DType::f32, {2, 3, dm});
+  m.forward(xq.view, xkv, y);  // y = b_O
+  for (std::int64_t i = 0; i < y.numel(); ++i)
+    EXPECT_EQ(y.data_as<float>()[i], m.b_o().data_as<float>()[i % dm]);
+  m.backward(xq.view, xkv, dy.view, dxq.view, dxkv, g);
+  for (float v : dxq.mem) EXPECT_EQ(v, 0.f);
+  for (const TensorView& t : {g.in_proj_weight(), g.in_proj_bias(), g.w_o()})
+    for (std::int64_t i = 0; i < t.numel(); ++i) EXPECT_EQ(t.data_as<float>()[i], 0.f);
+  const std::vector<double> dy64 = act64(dy.view);
+  for (std::int64_t n = 0; n < dm; ++n) {
+    double sum = 0.0;
+    for (std::int64_t r = 0; r < 6; ++r) sum += dy64[static_cast<std::size_t>(r * dm + n)];
+    EXPECT_NEAR(g.b_o().data_as<float>()[n], sum, 1e-6);
+  }
+}
+
 // Throws qkv::Error whose message contains `needle`.
 template <class F>
 void expect_error(F f, const std::string& needle) {
