@@ -40,13 +40,14 @@
 #include <vector>
 
 #include "core/problem.hpp"
+#include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
-template <class Ops>
+template <IsaOps Ops>
 struct Backward {
   using V = typename Ops::V;
   using Mk = Microkernels<Ops>;
@@ -368,16 +369,7 @@ struct Backward {
           const i64 g = t0 + j;
           bool ok = g >= row.lo && g < row.hi;
           float add = 0.0f;
-          if constexpr (MASK) {
-            const i64 mo = row.mask_off + g * p.mask.sk;
-            if (p.mask.dtype == DType::b8) {
-              ok = ok && static_cast<const std::uint8_t*>(p.mask.data)[mo] != 0;
-            } else {
-              add = p.mask.dtype == DType::f32 ? static_cast<const float*>(p.mask.data)[mo]
-                                               : static_cast<float>(static_cast<const double*>(p.mask.data)[mo]);
-              ok = ok && add != -std::numeric_limits<float>::infinity();
-            }
-          }
+          if constexpr (MASK) ok = ok && mask_admits(p.mask, row.mask_off + g * p.mask.sk, add);
           float y = e * scale;
           if constexpr (CAP) {
             const float t = std::tanh(y / cap);

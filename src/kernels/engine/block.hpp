@@ -260,16 +260,7 @@ struct BlockProcessor {
           float& x = w.s[j * ssp + r];
           bool ok = g >= row.lo && g < row.hi;
           float add = 0.0f;
-          if constexpr (MASK) {
-            const i64 mo = row.mask_off + g * p.mask.sk;
-            if (p.mask.dtype == DType::b8) {
-              ok = ok && static_cast<const std::uint8_t*>(p.mask.data)[mo] != 0;
-            } else {
-              add = p.mask.dtype == DType::f32 ? static_cast<const float*>(p.mask.data)[mo]
-                                               : static_cast<float>(static_cast<const double*>(p.mask.data)[mo]);
-              ok = ok && add != neg_inf;
-            }
-          }
+          if constexpr (MASK) ok = ok && mask_admits(p.mask, row.mask_off + g * p.mask.sk, add);
           float y = x * scale;
           if constexpr (CAP) y = cap * std::tanh(y / cap);
           x = ok ? y + add : neg_inf;

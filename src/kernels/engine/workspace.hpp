@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 #include "core/problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
@@ -45,6 +46,15 @@ struct Row {
   i64 out_off;        // element offset of (b, h, i, 0) in out
   i64 lse_off;        // element offset of (b, h, i) in softmax_lse
 };
+
+/// The explicit mask at element offset `mo`: whether it admits the key (bool true, or an
+/// additive term other than -inf), and the additive term in `add` (left as is for a bool mask).
+[[gnu::always_inline]] inline bool mask_admits(const MaskOperand& m, i64 mo, float& add) {
+  if (m.dtype == DType::b8) return static_cast<const std::uint8_t*>(m.data)[mo] != 0;
+  add = m.dtype == DType::f32 ? static_cast<const float*>(m.data)[mo]
+                              : static_cast<float>(static_cast<const double*>(m.data)[mo]);
+  return add != -std::numeric_limits<float>::infinity();
+}
 
 /// Software prefetch of a tile of K or V rows, a few rows per call of step(), so that the
 /// prefetches spread between the microkernel calls of one phase and the rows are in cache when
