@@ -10,7 +10,8 @@
 ///   softcap c: dS *= 1 - tanh^2(x / c) for the scaled score x;
 ///   dQ = scale dS K;  dK = scale dS^T Q;
 /// GQA: dK and dV of a KV head sum the contributions of all query heads of its group. Keys a
-/// row does not admit have P = 0 and contribute nothing (they are never read), so a row with no
+/// row does not admit have P = 0 and contribute nothing (keys that no row admits are never read,
+/// and NaN or inf in a key a row excludes never reaches that row's gradients), so a row with no
 /// admissible key gives dQ = 0.
 ///
 /// Shapes (the forward's, docs/semantics.md), any strides with a contiguous last dimension
@@ -40,7 +41,8 @@ namespace qkv {
 ///   error of attention() for q, k, v, out, softmax_lse and params, and for grad_out a shape
 ///   other than out's or a non-float dtype; for grad_q/grad_k/grad_v a shape other than q/k/v's,
 ///   a dtype other than q's, float32 or float64, a zero stride on an axis of size > 1, or memory that
-///   overlaps any other operand.
+///   overlaps any other operand; params.kernel = decode (no backward), or flash for float64
+///   inputs (the fast backward computes in fp32).
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
                         const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,

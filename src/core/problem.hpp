@@ -1,6 +1,6 @@
 #pragma once
 // The lowered form of one attention call: validated once at the public boundary
-// (src/api/attention.cpp), then read by every kernel. Plain data, no ownership of tensors,
+// (src/core/validate.cpp, called by src/api), then read by every kernel. Plain data, no ownership of tensors,
 // strides in elements, the last dimension of every operand contiguous.
 
 #include <algorithm>

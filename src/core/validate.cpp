@@ -299,8 +299,11 @@ BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& 
       throw Error(std::string(g.name) + ": expected shape " + g.axes + " = " + shape_str(g.want) + ", got " +
                   shape_str(g.t->shape()));
     if (g.t->dtype() != q.dtype() && g.t->dtype() != DType::f32 && g.t->dtype() != DType::f64)
-      throw Error(std::string(g.name) + ": expected dtype float32, float64 or " + std::string(dtype_name(q.dtype())) +
-                  " (the dtype of q), got " + std::string(dtype_name(g.t->dtype())));
+      throw Error(std::string(g.name) + ": expected dtype float32 or float64" +
+                  (q.dtype() == DType::f32 || q.dtype() == DType::f64
+                       ? std::string()
+                       : " or " + std::string(dtype_name(q.dtype())) + " (the dtype of q)") +
+                  ", got " + std::string(dtype_name(g.t->dtype())));
     check_distinct(*g.t, g.name);
     *g.dst = lower_out(*g.t);
   }

@@ -32,8 +32,4 @@ void flash_backward_kernel(const BackwardProblem& bp) {
   k.backward(bp, thread_workspace(k.backward_workspace(bp, threads)), threads);
 }
 
-std::string flash_backward_describe() {
-  return "FlashAttention-2 backward (Alg. 2), fp32 accumulation, deterministic dQ reduction; ISAs: " + isa_summary();
-}
-
 }  // namespace qkv::detail

@@ -1,5 +1,5 @@
 #pragma once
-// The table through which the ISA-independent glue (flash.cpp, decode.cpp) reaches the
+// The table through which the ISA-independent glue (flash.cpp, decode.cpp, backward.cpp) reaches the
 // per-ISA instantiations of the attention engine (src/kernels/engine/, instantiated in
 // src/kernels/simd/<isa>/). Each ISA translation unit defines one IsaKernels object; the glue
 // picks one at run time from cpu_features.hpp.

@@ -16,7 +16,6 @@ std::string decode_describe();
 
 std::string flash_backward_refuse(const BackwardProblem& bp);
 void flash_backward_kernel(const BackwardProblem& bp);
-std::string flash_backward_describe();
 
 /// Largest Sq the decode kernel takes.
 inline constexpr std::int64_t kDecodeMaxSq = 16;

@@ -85,7 +85,7 @@ struct Backward {
     pl.C = std::min<i64>((kMinItems + pairs - 1) / pairs, kMaxChunks);
     pl.C = std::min(pl.C, std::max<i64>(1, kPartialBytes / chunk_bytes));
     pl.C = std::max<i64>(1, std::min(pl.C, pl.nkb));
-    pl.wave = std::max<i64>(1, kPartialBytes / (pl.C * chunk_bytes));
+    pl.wave = std::clamp<i64>(kPartialBytes / (pl.C * chunk_bytes), 1, pairs);
     pl.lo.assign(p.B, 0);
     pl.hi.assign(p.B, 0);
     pl.bounds.assign(p.B * (pl.C + 1), 0);

@@ -40,16 +40,21 @@ struct Engine {
   static constexpr int W = Ops::W;
 
   // ---- the one switch from run-time options to template parameters --------------------------
-  template <template <Elt, bool, bool, bool> class Fn>
-  static void dispatch(const Problem& p, char* ws, int threads, bool bf16_dot) {
+  // `call` is a Problem (forward) or a BackwardProblem; Fn<E, DP, MASK, CAP>::run(call, ws, t).
+  static const Problem& problem_of(const Problem& p) { return p; }
+  static const Problem& problem_of(const BackwardProblem& bp) { return bp.fwd; }
+
+  template <template <Elt, bool, bool, bool> class Fn, class Call>
+  static void dispatch(const Call& call, char* ws, int threads, bool bf16_dot) {
+    const Problem& p = problem_of(call);
     const bool mask = p.mask.data != nullptr, cap = p.softcap > 0.0;
     auto with_opts = [&]<Elt E, bool DP>() {
       if (mask) {
-        if (cap) Fn<E, DP, true, true>::run(p, ws, threads);
-        else Fn<E, DP, true, false>::run(p, ws, threads);
+        if (cap) Fn<E, DP, true, true>::run(call, ws, threads);
+        else Fn<E, DP, true, false>::run(call, ws, threads);
       } else {
-        if (cap) Fn<E, DP, false, true>::run(p, ws, threads);
-        else Fn<E, DP, false, false>::run(p, ws, threads);
+        if (cap) Fn<E, DP, false, true>::run(call, ws, threads);
+        else Fn<E, DP, false, false>::run(call, ws, threads);
       }
     };
     switch (p.q.dtype) {
@@ -91,31 +96,20 @@ struct Engine {
   }
   static std::size_t decode_workspace(const Problem& p, int threads) { return Dr::decode_ws(p, threads); }
 
-  // ---- the backward pass (backward.hpp): its own switch, no bf16 dot-product path yet ---------
+  static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
+    dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+  }
+
+  // The backward (backward.hpp) has no bf16 dot-product path: DP is always false.
+  template <Elt E, bool DP, bool MASK, bool CAP>
+  struct BackwardFn {
+    static void run(const BackwardProblem& bp, char* ws, int t) { Backward<Ops>::template run<E, MASK, CAP>(bp, ws, t); }
+  };
   static std::size_t backward_workspace(const BackwardProblem& bp, int threads) {
     return Backward<Ops>::workspace(bp.fwd, threads);
   }
   static void backward(const BackwardProblem& bp, void* ws, int threads) {
-    const Problem& p = bp.fwd;
-    char* w = static_cast<char*>(ws);
-    auto with_opts = [&]<Elt E>() {
-      const bool mask = p.mask.data != nullptr, cap = p.softcap > 0.0;
-      if (mask) {
-        if (cap) Backward<Ops>::template run<E, true, true>(bp, w, threads);
-        else Backward<Ops>::template run<E, true, false>(bp, w, threads);
-      } else {
-        if (cap) Backward<Ops>::template run<E, false, true>(bp, w, threads);
-        else Backward<Ops>::template run<E, false, false>(bp, w, threads);
-      }
-    };
-    switch (p.q.dtype) {
-      case DType::bf16: with_opts.template operator()<Elt::bf16>(); break;
-      case DType::f16: with_opts.template operator()<Elt::f16>(); break;
-      default: with_opts.template operator()<Elt::f32>(); break;
-    }
-  }
-  static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
-    dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+    dispatch<BackwardFn>(bp, static_cast<char*>(ws), threads, false);
   }
 };
 
