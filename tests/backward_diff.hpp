@@ -35,6 +35,8 @@ struct BwConfig {
   std::int64_t B = 1, Hq = 1, Hkv = 1, Sq = 1, Sk = 1, D = 8, Dv = 8;
   DType dtype = DType::f32;
   DType grad = DType::f32;  // dtype of dQ, dK, dV: f32 or the input's
+  DType dout = DType::f32;  // dtype of dO and of the forward's out (any float dtype)
+  DType lse = DType::f32;   // dtype of softmax_lse (f32 or f64)
   bool causal = false;
   std::int64_t wl = -1, wr = -1;
   Alignment align = Alignment::bottom_right;
@@ -52,7 +54,7 @@ struct BwConfig {
       << dtype_name(dtype) << "->" << dtype_name(grad) << (causal ? " causal" : "") << " win(" << wl << "," << wr
       << ")" << (align == Alignment::top_left ? " top_left" : " bottom_right") << " mask" << mask
       << (kv_lens ? " kv_lens" : "") << " cap" << softcap << " scale" << scale << (outliers ? " outliers" : "")
-      << (bshd ? " bshd" : "") << " seed" << seed;
+      << (bshd ? " bshd" : "") << " dO/O " << dtype_name(dout) << " lse " << dtype_name(lse) << " seed" << seed;
     return o.str();
   }
 };
@@ -84,7 +86,7 @@ inline BwInputs make_inputs(const BwConfig& c) {
   in.q = in.like(c.Hq, c.Sq, c.D, c.dtype);
   in.k = in.like(c.Hkv, c.Sk, c.D, c.dtype);
   in.v = in.like(c.Hkv, c.Sk, c.Dv, c.dtype);
-  in.dout = in.like(c.Hq, c.Sq, c.Dv, DType::f32);
+  in.dout = in.like(c.Hq, c.Sq, c.Dv, c.dout);
   fill(in.q);
   fill(in.k);
   fill(in.v);
@@ -112,7 +114,8 @@ inline BwInputs make_inputs(const BwConfig& c) {
       static_cast<std::int64_t*>(in.lens.data())[b] = static_cast<std::int64_t>(u(rng) * (c.Sk + 1)) % (c.Sk + 1);
     in.p.kv_lens = in.lens.view();
   }
-  // NaN in every K/V row no query row of its batch may attend (causal, window, key lengths).
+  // NaN in every K/V row no query row of its batch may attend (causal, window, key lengths, and
+  // the mask: a key it excludes for every row).
   const detail::Problem pr = detail::lower_attention(in.view(in.q), in.view(in.k), in.view(in.v),
                                                      in.view(in.like(c.Hq, c.Sq, c.Dv, DType::f32)), in.p,
                                                      std::nullopt, std::nullopt);
@@ -122,7 +125,11 @@ inline BwInputs make_inputs(const BwConfig& c) {
     for (std::int64_t i = 0; i < c.Sq; ++i) {
       std::int64_t lo, hi;
       pr.key_range(b, i, lo, hi);
-      for (std::int64_t j = lo; j < hi; ++j) read[j] = true;
+      for (std::int64_t j = lo; j < hi; ++j) {
+        if (c.mask == 1) read[j] = read[j] || static_cast<const std::uint8_t*>(in.mask.data())[(b * c.Sq + i) * c.Sk + j] != 0;
+        else if (c.mask == 2) read[j] = read[j] || static_cast<const float*>(in.mask.data())[i * c.Sk + j] != -std::numeric_limits<float>::infinity();
+        else read[j] = true;
+      }
     }
     for (std::int64_t h = 0; h < c.Hkv; ++h)
       for (std::int64_t j = 0; j < c.Sk; ++j)
@@ -131,8 +138,8 @@ inline BwInputs make_inputs(const BwConfig& c) {
           for (std::int64_t x = 0; x < c.Dv; ++x) put(vv, off4(vv, b, h, j, x), std::numeric_limits<float>::quiet_NaN());
         }
   }
-  in.out = in.like(c.Hq, c.Sq, c.Dv, DType::f32);
-  in.lse = Tensor(DType::f32, {c.B, c.Hq, c.Sq});
+  in.out = in.like(c.Hq, c.Sq, c.Dv, c.dout);
+  in.lse = Tensor(c.lse, {c.B, c.Hq, c.Sq});
   attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
   return in;
 }
@@ -200,7 +207,7 @@ inline void naive_backward_fp32(const BwInputs& in, bool from_lse, std::vector<d
         }
         if (mx == -std::numeric_limits<float>::infinity()) continue;  // empty row: nothing flows
         if (from_lse) {  // P = exp(s - lse) with the forward's softmax_lse
-          const float l = static_cast<const float*>(in.lse.data())[(b * c.Hq + h) * c.Sq + i];
+          const float l = static_cast<float>(load_as_double(in.lse.data(), in.lse.dtype(), (b * c.Hq + h) * c.Sq + i));
           for (std::int64_t j = 0; j < c.Sk; ++j) pj[j] = adm[j] ? std::exp(s[j] - l) : 0.0f;
         } else {  // P = softmax(s) with its own max and sum
           float sum = 0.0f;

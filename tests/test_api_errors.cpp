@@ -1,4 +1,4 @@
-// Every argument check of the attention entry points (src/api/validate.cpp) and of tensor views:
+// Every argument check of the attention entry points (src/core/validate.cpp) and of tensor views:
 // each throws qkv::Error whose message names the argument and the expected and actual values.
 #include <gtest/gtest.h>
 

@@ -47,6 +47,9 @@ BwConfig random_config(std::mt19937_64& rng, std::uint64_t seed, bool big) {
   c.softcap = rng() % 5 == 0 ? 3.0 : 0.0;
   c.outliers = rng() % 4 == 0;
   c.bshd = rng() % 3 == 0;
+  const DType aux[] = {DType::f32, DType::f32, DType::bf16, DType::f64};
+  c.dout = pick(aux);
+  c.lse = rng() % 4 == 0 ? DType::f64 : DType::f32;
   return c;
 }
 
@@ -178,6 +181,30 @@ TEST(Backward, VeryNegativeLse) {
   }
 }
 
+// The same without a mask (the vector path): every key equal to u and every query -20 u, so every
+// score is -20 |u|^2 scale = -180 and softmax_lse is about -176.
+TEST(Backward, VeryNegativeLseWithoutMask) {
+  BwConfig c;
+  c.Sq = 37;
+  c.Sk = 45;
+  c.D = c.Dv = 16;
+  BwInputs in = make_inputs(c);
+  for (std::int64_t j = 0; j < c.Sk * c.D; ++j) static_cast<float*>(in.k.data())[j] = 1.5f;
+  for (std::int64_t i = 0; i < c.Sq * c.D; ++i) static_cast<float*>(in.q.data())[i] = -30.0f;
+  attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
+  EXPECT_LT(static_cast<const float*>(in.lse.data())[0], -150.0f);
+  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
+  for (detail::Isa isa : test_isas(c.dtype)) {
+    IsaCap cap(isa);
+    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 2);
+    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
+      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
+      for (double e : x) ASSERT_TRUE(std::isfinite(e)) << detail::isa_name(isa);
+      EXPECT_LE(max_abs_diff(x, y), 1e-4 * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
+    }
+  }
+}
+
 // fp16 inputs whose products exceed 65504 (q, k ~ 300): the kernel widens to fp32 first.
 TEST(Backward, Float16ProductsBeyondHalfRange) {
   BwConfig c;
@@ -192,11 +219,14 @@ TEST(Backward, Float16ProductsBeyondHalfRange) {
       store_from_double(t->data(), DType::f16, i, 300.0 * load_as_double(t->data(), DType::f16, i));
   attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
   const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
-  const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 1);
-  for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
-    const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
-    for (double e : x) ASSERT_TRUE(std::isfinite(e));
-    EXPECT_LE(max_abs_diff(x, y), 1e-3 * std::max(1.0, max_abs(y)));
+  for (detail::Isa isa : test_isas(c.dtype)) {
+    IsaCap cap(isa);
+    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 1);
+    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
+      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
+      for (double e : x) ASSERT_TRUE(std::isfinite(e)) << detail::isa_name(isa);
+      EXPECT_LE(max_abs_diff(x, y), 1e-3 * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
+    }
   }
 }
 

@@ -16,6 +16,7 @@
 #include <gtest/gtest.h>
 
 #include "qkv/attention.hpp"
+#include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
 #include "qkv/reference.hpp"
@@ -195,6 +196,44 @@ TEST(Concurrency, ResultsDoNotDependOnNumThreads) {
       EXPECT_TRUE(same_bits(r.out, one.out) && same_bits(r.lse, one.lse) && same_bits(r.probs, one.probs))
           << s.describe() << " num_threads " << n;
     }
+  }
+}
+
+// The backward from 4 application threads at once (each call itself on 1 or 2 OpenMP threads),
+// every gradient bitwise equal to a single-threaded call's: the dQ chunk buffers and the dK/dV
+// writes of the kernel's own threads must not race (ThreadSanitizer runs this test too).
+TEST(Concurrency, BackwardFromManyThreadsMatchesBitwise) {
+  const std::int64_t B = 1, Hq = 4, Hkv = 2, S = 150, D = 32;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd;
+  auto rnd = [&](std::int64_t H) {
+    Tensor t(DType::f32, {B, H, S, D});
+    for (std::int64_t i = 0; i < t.numel(); ++i) t.data_as<float>()[i] = nd(rng);
+    return t;
+  };
+  const Tensor q = rnd(Hq), k = rnd(Hkv), v = rnd(Hkv), dout = rnd(Hq);
+  Tensor out(DType::f32, {B, Hq, S, D}), lse(DType::f32, {B, Hq, S});
+  qkv::AttentionParams p;
+  p.causal = true;
+  qkv::attention(q, k, v, out, p, lse.view());
+  struct Grads {
+    Tensor dq{DType::f32, {B, Hq, S, D}}, dk{DType::f32, {B, Hkv, S, D}}, dv{DType::f32, {B, Hkv, S, D}};
+  };
+  auto run = [&](Grads& g, int threads) {
+    qkv::AttentionParams pp = p;
+    pp.num_threads = threads;
+    qkv::attention_backward(q, k, v, out, lse.view(), dout, g.dq, g.dk, g.dv, pp);
+  };
+  Grads want;
+  run(want, 1);
+  std::vector<Grads> got(4);
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 4; ++t) ts.emplace_back([&, t] { for (int r = 0; r < 3; ++r) run(got[t], 1 + (t + r) % 2); });
+  for (auto& t : ts) t.join();
+  for (const Grads& g : got) {
+    EXPECT_EQ(std::memcmp(g.dq.data(), want.dq.data(), want.dq.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(g.dk.data(), want.dk.data(), want.dk.nbytes()), 0);
+    EXPECT_EQ(std::memcmp(g.dv.data(), want.dv.data(), want.dv.nbytes()), 0);
   }
 }
 
