@@ -157,6 +157,21 @@ TEST(Backward, NaNStaysInTheRowsThatReadIt) {
   }
 }
 
+// Every gradient of the fast backward on every ISA (2 threads) finite and within tol max(1, max
+// |reference|) of the float64 backward.
+void expect_finite_and_close(const BwInputs& in, double tol, int threads = 2) {
+  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
+  for (detail::Isa isa : test_isas(in.c.dtype)) {
+    IsaCap cap(isa);
+    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, threads);
+    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
+      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
+      for (double e : x) ASSERT_TRUE(std::isfinite(e)) << detail::isa_name(isa);
+      EXPECT_LE(max_abs_diff(x, y), tol * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
+    }
+  }
+}
+
 // softmax_lse far below -88 (every score shifted by an additive mask of -200): the padded rows of
 // a tile must still get P = 0, never exp(0 - lse) = inf.
 TEST(Backward, VeryNegativeLse) {
@@ -170,15 +185,7 @@ TEST(Backward, VeryNegativeLse) {
   in.p.mask = m.view();
   attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
   EXPECT_LT(static_cast<const float*>(in.lse.data())[0], -150.0f);
-  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
-  for (detail::Isa isa : test_isas(c.dtype)) {
-    IsaCap cap(isa);
-    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 2);
-    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
-      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
-      EXPECT_LE(max_abs_diff(x, y), 1e-4 * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
-    }
-  }
+  expect_finite_and_close(in, 1e-4);
 }
 
 // The same without a mask (the vector path): every key equal to u and every query -20 u, so every
@@ -193,16 +200,7 @@ TEST(Backward, VeryNegativeLseWithoutMask) {
   for (std::int64_t i = 0; i < c.Sq * c.D; ++i) static_cast<float*>(in.q.data())[i] = -30.0f;
   attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
   EXPECT_LT(static_cast<const float*>(in.lse.data())[0], -150.0f);
-  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
-  for (detail::Isa isa : test_isas(c.dtype)) {
-    IsaCap cap(isa);
-    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 2);
-    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
-      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
-      for (double e : x) ASSERT_TRUE(std::isfinite(e)) << detail::isa_name(isa);
-      EXPECT_LE(max_abs_diff(x, y), 1e-4 * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
-    }
-  }
+  expect_finite_and_close(in, 1e-4);
 }
 
 // fp16 inputs whose products exceed 65504 (q, k ~ 300): the kernel widens to fp32 first.
@@ -218,16 +216,7 @@ TEST(Backward, Float16ProductsBeyondHalfRange) {
     for (std::int64_t i = 0; i < t->numel(); ++i)
       store_from_double(t->data(), DType::f16, i, 300.0 * load_as_double(t->data(), DType::f16, i));
   attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.p, in.lse.view());
-  const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
-  for (detail::Isa isa : test_isas(c.dtype)) {
-    IsaCap cap(isa);
-    const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 1);
-    for (auto [a, b] : {std::pair{&g.dq, &ref.dq}, std::pair{&g.dk, &ref.dk}, std::pair{&g.dv, &ref.dv}}) {
-      const auto x = bhsd(in.view(*a)), y = bhsd(in.view(*b));
-      for (double e : x) ASSERT_TRUE(std::isfinite(e)) << detail::isa_name(isa);
-      EXPECT_LE(max_abs_diff(x, y), 1e-3 * std::max(1.0, max_abs(y))) << detail::isa_name(isa);
-    }
-  }
+  expect_finite_and_close(in, 1e-3, 1);
 }
 
 // Sq != Sk in both alignments, Sk = 1, D = 1 and odd D, with a window spanning tiles.
