@@ -3,7 +3,8 @@
 // gradients dQ, dK, dV with P recomputed tile by tile from softmax_lse, never an Sq x Sk buffer.
 //
 // Per (batch, KV head) the keys are cut into C chunks (fixed by the problem, never by the thread
-// count) and each chunk is one work item. An item takes its keys kKeyGroup blocks of kBk at a
+// count; C > 1 only when there are fewer than kMinItems pairs, so that one long head still uses
+// every core) and each chunk is one work item. An item takes its keys kKeyGroup blocks of kBk at a
 // time (K, V converted to fp32 once, dK and dV accumulated in fp32 in the thread's workspace)
 // and runs every query block of every query head of the group that admits any of them:
 //   S   = Q K^T                       (the forward's QK^T microkernel, scores key-major)
@@ -22,7 +23,7 @@
 // dV.
 //
 // Memory beyond the operands: per thread a workspace of O((kBq + kKeyGroup kBk) (D + Dv)) floats
-// (about 1.4 MiB at D = 128 on AVX-512), and the dQ buffers, C x (group rows) x D floats for as
+// (about 1.3 MiB at D = 128 on AVX-512, most of it the K, V, dK, dV tiles of a key group), and the dQ buffers, C x (group rows) x D floats for as
 // many (batch, KV head) pairs at a time as fit kPartialBytes (at least one; the pairs go in waves).
 // Chunk boundaries balance the admitted (row, key block) pairs, so causal items cost the same.
 //
