@@ -267,8 +267,9 @@ inline double max_abs(const std::vector<double>& a) {
   return m;
 }
 
-/// Worst ratio err / (2 naive + floor) over the three gradients (<= 1 passes), for reports.
-inline double run_backward_case(const BwConfig& c) {
+/// Worst ratio err / (2 naive + floor) over the three gradients, for reports; the check itself is
+/// err <= factor naive + floor (factor 2 in CI; the soak bounds at 4 and counts ratios above 1).
+inline double run_backward_case(const BwConfig& c, double factor = 2.0) {
   SCOPED_TRACE(c.str());
   const BwInputs in = make_inputs(c);
   const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
@@ -301,7 +302,7 @@ inline double run_backward_case(const BwConfig& c) {
       if (c.grad == DType::f16) floor += gmax * std::ldexp(1.0, -11);
       const double err = max_abs_diff(got, *refs[x]);
       const double nerr = std::max(max_abs_diff(*naive[x], *refs[x]), max_abs_diff(*naive_lse[x], *refs[x]));
-      EXPECT_LE(err, 2 * nerr + floor) << names[x] << ": naive fp32 error " << nerr << ", max |ref| " << gmax;
+      EXPECT_LE(err, factor * nerr + floor) << names[x] << ": naive fp32 error " << nerr << ", max |ref| " << gmax;
       worst = std::max(worst, err / (2 * nerr + floor));
     }
   }
