@@ -7,10 +7,9 @@
 
 #include <cmath>
 
-#include "platform/cpu_features.hpp"
 #include "qkv/error.hpp"
 #include "qkv_bench.hpp"
-#include "softmax.hpp"
+#include "baseline_common.hpp"
 
 namespace qkv::bench {
 
@@ -29,23 +28,14 @@ void NaiveBaseline::run(const Tensor& q, const Tensor& k, const Tensor& v, const
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)));
   const std::int64_t group = s.Hq / s.Hkv;
   const std::int64_t heads = s.B * s.Hq;
-#if defined(QKV_BENCH_X86)
-  auto* softmax = qkv::detail::cpu_features().avx512() ? &detail::softmax_row_avx512 : &detail::softmax_row_generic;
-#else
-  auto* softmax = &detail::softmax_row_generic;
-#endif
+  auto* softmax = detail::best_softmax_row();
   const float* qp = q.data_as<float>();
   const float* kp = k.data_as<float>();
   const float* vp = v.data_as<float>();
   float* op = out.data_as<float>();
   float* ws = scores_.data();
 
-  // With one thread the parallel region is inactive and OpenBLAS would thread the sgemm itself:
-  // pin it to one thread for the duration, whatever the team size. (In OpenBLAS's OpenMP build
-  // this also sets OpenMP's default team size, restored afterwards.)
-  const int blas_threads = openblas_get_num_threads();
-  const int omp_threads = omp_get_max_threads();
-  openblas_set_num_threads(1);
+  const detail::OneThreadBlas one_thread_blas;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (std::int64_t bh = 0; bh < heads; ++bh) {
     const std::int64_t b = bh / s.Hq, h = bh % s.Hq, hk = h / group;
@@ -67,8 +57,6 @@ void NaiveBaseline::run(const Tensor& q, const Tensor& k, const Tensor& v, const
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, Sq, D, Sk, 1.0f, sc, Sk, vh, D, 0.0f, oh, D);
   }
-  openblas_set_num_threads(blas_threads);
-  omp_set_num_threads(omp_threads);
 }
 
 }  // namespace qkv::bench

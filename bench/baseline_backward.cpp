@@ -7,10 +7,9 @@
 
 #include <cmath>
 
-#include "platform/cpu_features.hpp"
 #include "qkv/error.hpp"
 #include "qkv_bench.hpp"
-#include "softmax.hpp"
+#include "baseline_common.hpp"
 
 namespace qkv::bench {
 
@@ -31,11 +30,7 @@ void NaiveBackwardBaseline::run(const Tensor& q, const Tensor& k, const Tensor& 
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(s.D)));
   const std::int64_t group = s.Hq / s.Hkv;
   const std::int64_t units = s.B * s.Hkv;
-#if defined(QKV_BENCH_X86)
-  auto* softmax = qkv::detail::cpu_features().avx512() ? &detail::softmax_row_avx512 : &detail::softmax_row_generic;
-#else
-  auto* softmax = &detail::softmax_row_generic;
-#endif
+  auto* softmax = detail::best_softmax_row();
   const float* qp = q.data_as<float>();
   const float* kp = k.data_as<float>();
   const float* vp = v.data_as<float>();
@@ -46,10 +41,7 @@ void NaiveBackwardBaseline::run(const Tensor& q, const Tensor& k, const Tensor& 
   float* dvp = grad_v.data_as<float>();
   const std::size_t per = static_cast<std::size_t>(s.Sq) * static_cast<std::size_t>(s.Sk);
 
-  // As NaiveBaseline::run: every sgemm on one thread, whatever the team size.
-  const int blas_threads = openblas_get_num_threads();
-  const int omp_threads = omp_get_max_threads();
-  openblas_set_num_threads(1);
+  const detail::OneThreadBlas one_thread_blas;
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (std::int64_t u = 0; u < units; ++u) {
     const std::int64_t b = u / s.Hkv, hk = u % s.Hkv;
@@ -105,8 +97,6 @@ void NaiveBackwardBaseline::run(const Tensor& q, const Tensor& k, const Tensor& 
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, Sk, D, Sq, 1.0f, dS, Sk, qh, D, beta, dkh, D);
     }
   }
-  openblas_set_num_threads(blas_threads);
-  omp_set_num_threads(omp_threads);
 }
 
 }  // namespace qkv::bench
