@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/info.hpp"
 #include "qkv_bench.hpp"
 
 namespace {
@@ -40,7 +41,8 @@ void set_counters(benchmark::State& state, const BenchShape& s, bool causal, qkv
   const double gbps = qkv::bench::kv_bytes(s, dtype) * iters / seconds * 1e-9;
   state.counters["GFLOP/s"] = gflops;
   state.counters["GB/s"] = gbps;
-  double peak = dtype != qkv::DType::f32 && g_peaks.bf16_gflops > 0 ? g_peaks.bf16_gflops : g_peaks.fma_gflops;
+  double peak = dtype == qkv::DType::bf16 && qkv::bf16_dot_used() && g_peaks.bf16_gflops > 0 ? g_peaks.bf16_gflops
+                                                                                        : g_peaks.fma_gflops;
   if (decode) peak = qkv::bench::measure_read_bandwidth(g_peaks.threads, qkv::bench::kv_bytes(s, dtype));
   if (peak > 0) state.counters["peak_frac"] = (decode ? gbps : gflops) / peak;
 }

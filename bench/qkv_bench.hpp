@@ -39,7 +39,7 @@ struct Inputs {
 };
 Inputs make_inputs(const BenchShape& s, DType dtype, std::uint64_t seed = 42);
 
-/// What a backward call needs beyond q, k, v: the forward's out and softmax_lse ([B,Hq,Sq],
+/// What a backward call needs beyond q, k, v: the forward's out (in the dtype of q) and softmax_lse ([B,Hq,Sq],
 /// float32), dO (grad_out, in the dtype of q, uniform in [-1, 1] rounded to bfloat16 as the
 /// inputs) and the gradients (grad_dtype, every page touched).
 struct BackwardInputs {

@@ -95,6 +95,14 @@ BackwardInputs make_backward_inputs(const BenchShape& s, DType dtype, DType grad
   AttentionParams fwd = params;
   if (fwd.kernel != KernelKind::reference) fwd.kernel = KernelKind::automatic;
   attention(b.in.q, b.in.k, b.in.v, b.in.out, fwd, TensorView(b.lse));
+  // O in the inputs' dtype, as a training framework keeps the forward's output.
+  if (dtype != DType::f32) {
+    Tensor out(dtype, b.in.out.shape());
+    const float* o = b.in.out.data_as<float>();
+    for (std::int64_t i = 0; i < out.numel(); ++i)
+      out.data_as<std::uint16_t>()[i] = dtype == DType::bf16 ? float_to_bf16(o[i]) : float_to_half(o[i]);
+    b.in.out = std::move(out);
+  }
   return b;
 }
 

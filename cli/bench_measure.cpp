@@ -8,6 +8,7 @@
 
 #include "bench_rows.hpp"
 #include "qkv/error.hpp"
+#include "qkv/info.hpp"
 
 namespace qkv::cli::benchcmd {
 namespace {
@@ -138,7 +139,7 @@ void Runner::time_row(Row& r, const std::function<void()>& call, double flops, b
   // The peak the row is judged against (compute, or for decode the read bandwidth of a buffer of
   // its K+V size, whole MiB as in PeakTable::read_gbps), measured again by the same
   // microbenchmark right before and right after the timed runs.
-  const bool bf16_peak = r.dtype == DType::bf16 && peaks_.at(threads).bf16_gflops > 0;
+  const bool bf16_peak = r.dtype == DType::bf16 && qkv::bf16_dot_used() && peaks_.at(threads).bf16_gflops > 0;
   const auto adjacent = [&] {
     if (r.kind == "decode")
       return bench::measure_read_bandwidth(threads, PeakTable::whole_mib_bytes(bench::kv_bytes(s, r.dtype)),
@@ -159,7 +160,7 @@ void Runner::time_row(Row& r, const std::function<void()>& call, double flops, b
     r.peak_name = "read_gbps";
     r.peak_value = peaks_.read_gbps(threads, bench::kv_bytes(s, r.dtype));
     r.kv_read_gbps = peaks_.read_gbps(threads, bench::kv_bytes(s, r.dtype), true);
-  } else if (r.dtype == DType::bf16 && pk.bf16_gflops > 0) {
+  } else if (r.dtype == DType::bf16 && qkv::bf16_dot_used() && pk.bf16_gflops > 0) {
     r.peak_name = "bf16_gflops";
     r.peak_value = pk.bf16_gflops;
   } else {

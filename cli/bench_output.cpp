@@ -175,6 +175,8 @@ std::string json_document(const std::vector<Row>& rows, PeakTable& peaks, int th
               {"cpu_features", qkv::cpu_features_string()},
               {"openblas_core", bench::blas_core_name()},
               {"openblas_note", bench::blas_env_note()},
+              {"bf16_dot_used", qkv::bf16_dot_used()},
+              {"bf16_dot", qkv::bf16_dot_string()},
               {"threads", threads},
               {"load_average_start", load_start},
               {"load_average_end", load_end},

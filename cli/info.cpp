@@ -18,6 +18,7 @@ void add_info(CLI::App& app) {
     const char* cap = std::getenv("QKV_ISA");
     std::printf("kernel ISA: %s%s%s\n", qkv::active_isa_string().c_str(), cap ? ", capped by QKV_ISA=" : "",
                 cap ? cap : "");
+    std::printf("bf16 dot products: %s\n", qkv::bf16_dot_string().c_str());
     std::printf("threads (OpenMP default): %d\n", omp_get_max_threads());
     std::printf("kernels, in dispatch priority order:\n");
     for (const auto& k : qkv::compiled_kernels())

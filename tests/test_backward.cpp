@@ -97,6 +97,68 @@ TEST(Backward, LongRows) {
   run_backward_case(c);
 }
 
+// The bf16 dot-product path (bf16 q, k, v, dO and O on AVX512_BF16): full tiles on vdpbf16ps with
+// P and dS rounded to bf16, partial tiles in fp32. Every option that reaches it, checked with its
+// floor (backward_diff.hpp), deterministic, and really taken: its gradients differ from the
+// fp32 form's on the same inputs.
+TEST(Backward, Bf16DotProducts) {
+  if (!detail::isa_compiled(detail::Isa::avx512bf16) || !detail::isa_supported(detail::Isa::avx512bf16))
+    GTEST_SKIP() << "no AVX512_BF16 on this CPU";
+  BwConfig c;
+  c.dtype = c.dout = DType::bf16;
+  c.B = 1;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.Sq = 300;
+  c.Sk = 1100;
+  c.D = c.Dv = 128;
+  run_backward_case(c);
+  c.causal = true;
+  run_backward_case(c);
+  c.causal = false;
+  c.softcap = 3.0;
+  c.outliers = true;
+  c.grad = DType::bf16;
+  run_backward_case(c);
+  BwConfig o = c;
+  o.softcap = 0.0;
+  o.outliers = false;
+  o.grad = DType::f32;
+  o.Sq = 130;
+  o.Sk = 257;
+  o.D = 59;
+  o.Dv = 1;
+  o.bshd = true;
+  o.Hq = o.Hkv = 3;
+  run_backward_case(o);
+  o.D = o.Dv = 64;
+  o.wl = 100;
+  o.wr = 0;
+  o.align = Alignment::top_left;
+  run_backward_case(o);
+
+  // The path is taken (it rounds P and dS) and deterministic.
+  c.softcap = 0.0;
+  c.grad = DType::f32;
+  const BwInputs in = make_inputs(c);
+  BwGrads dot, plain;
+  {
+    IsaCap cap(detail::Isa::avx512bf16);
+    dot = run_backward(in, DType::f32, KernelKind::flash, 2);
+    for (int r = 0; r < 5; ++r) {
+      const BwGrads g = run_backward(in, DType::f32, KernelKind::flash, 1 + r % 2);
+      ASSERT_EQ(std::memcmp(g.dq.data(), dot.dq.data(), g.dq.nbytes()), 0);
+      ASSERT_EQ(std::memcmp(g.dk.data(), dot.dk.data(), g.dk.nbytes()), 0);
+      ASSERT_EQ(std::memcmp(g.dv.data(), dot.dv.data(), g.dv.nbytes()), 0);
+    }
+  }
+  {
+    IsaCap cap(detail::Isa::avx512);
+    plain = run_backward(in, DType::f32, KernelKind::flash, 2);
+  }
+  EXPECT_NE(std::memcmp(dot.dv.data(), plain.dv.data(), dot.dv.nbytes()), 0);
+}
+
 // The same gradients, bit for bit, across 50 calls and for 1, 2 and 3 threads.
 TEST(Backward, Deterministic) {
   BwConfig c;

@@ -22,12 +22,16 @@ struct IsaKernels {
   void (*decode_forward)(const Problem& p, void* ws, int threads, bool bf16_dot);
   /// Bytes of workspace backward() needs (the threads' tiles and the dQ chunk buffers).
   std::size_t (*backward_workspace)(const BackwardProblem& bp, int threads);
-  /// FlashAttention-2 backward (kernels/engine/backward.hpp): dQ, dK, dV of the whole problem.
-  void (*backward)(const BackwardProblem& bp, void* ws, int threads);
+  /// FlashAttention-2 backward (kernels/engine/backward.hpp): dQ, dK, dV of the whole problem;
+  /// bf16_dot: the AVX512_BF16 form may be used (bf16 q, k, v, dO and O).
+  void (*backward)(const BackwardProblem& bp, void* ws, int threads, bool bf16_dot);
   /// Tile sizes, for describe(): rows per query block and keys per key tile.
   int block_q, block_k;
   /// The vector exp of the online softmax, on an array (tests measure its error).
   void (*exp_array)(const float* x, float* y, std::int64_t n);
+  /// The FLOP rate of the bf16 dot product over that of the fp32 FMA, measured on this CPU
+  /// (null where the ISA has no bf16 dot product).
+  double (*bf16_dot_rate)();
 };
 
 #if defined(QKV_HAVE_AVX512)
@@ -45,6 +49,13 @@ namespace qkv::detail {
 /// The engine of the active ISA level (active_isa(): CPU, QKV_ISA, set_isa_cap) and whether
 /// its bf16 dot-product path may be used.
 const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept;
+/// The measured rate of the bf16 dot product against the fp32 FMA (0 where there is none),
+/// measured once per process.
+double bf16_dot_rate() noexcept;
+/// Whether the fast kernels use the bf16 dot products for bf16 inputs: on avx512bf16 when they
+/// run at least kBf16DotMinRate x the fp32 FMA rate, or when avx512bf16 was asked for by name.
+bool bf16_dot_enabled() noexcept;
+inline constexpr double kBf16DotMinRate = 1.25;
 /// Threads a call uses: params.num_threads, or OpenMP's default when 0 (1 for calls under ~10^6
 /// multiply-adds, which cannot repay waking a thread team).
 int call_threads(const Problem& p) noexcept;

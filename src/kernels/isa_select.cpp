@@ -8,7 +8,7 @@ namespace qkv::detail {
 
 const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept {
   const Isa isa = active_isa();
-  bf16_dot = isa == Isa::avx512bf16;
+  bf16_dot = isa == Isa::avx512bf16 && bf16_dot_enabled();
   switch (isa) {
 #if defined(QKV_HAVE_AVX512)
     case Isa::avx512bf16:
@@ -19,6 +19,21 @@ const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept {
 #endif
     default: bf16_dot = false; return kIsaKernelsScalar;
   }
+}
+
+double bf16_dot_rate() noexcept {
+#if defined(QKV_HAVE_AVX512)
+  static const double rate = isa_supported(Isa::avx512bf16) ? kIsaKernelsAvx512.bf16_dot_rate() : 0.0;
+  return rate;
+#else
+  return 0.0;
+#endif
+}
+
+bool bf16_dot_enabled() noexcept {
+  // Which form computes a bf16 call depends on the CPU, as the ISA level does; the margin
+  // around 1 keeps the choice stable on a busy machine (CPUs measure near 0.5 or near 2).
+  return active_isa() == Isa::avx512bf16 && (bf16_dot_requested() || bf16_dot_rate() >= kBf16DotMinRate);
 }
 
 int call_threads(const Problem& p) noexcept {

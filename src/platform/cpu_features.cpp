@@ -1,8 +1,8 @@
 #include "platform/cpu_features.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
-#include <algorithm>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -111,21 +111,22 @@ namespace {
 int env_cap() noexcept {
   static const int cap = [] {
     const char* e = std::getenv("QKV_ISA");
-    if (!e) return 3;
+    if (!e) return 4;
     if (!std::strcmp(e, "scalar")) return 0;
     if (!std::strcmp(e, "avx2")) return 1;
     if (!std::strcmp(e, "avx512")) return 2;
-    return 3;
+    if (!std::strcmp(e, "avx512bf16")) return 3;  // asked for by name: the dot products too
+    return 4;
   }();
   return cap;
 }
 
-std::atomic<int> g_cap{3};
+std::atomic<int> g_cap{4};  // 4: no cap
 
 }  // namespace
 
 Isa active_isa() noexcept {
-  const int cap = std::min(env_cap(), g_cap.load(std::memory_order_relaxed));
+  const int cap = std::min({env_cap(), g_cap.load(std::memory_order_relaxed), 3});
   for (int l = cap; l > 0; --l)
     if (isa_compiled(static_cast<Isa>(l)) && isa_supported(static_cast<Isa>(l))) return static_cast<Isa>(l);
   return Isa::scalar;
@@ -137,6 +138,10 @@ Isa set_isa_cap(Isa cap) noexcept {
   return before;
 }
 
-void reset_isa_cap() noexcept { g_cap.store(3, std::memory_order_relaxed); }
+void reset_isa_cap() noexcept { g_cap.store(4, std::memory_order_relaxed); }
+
+bool bf16_dot_requested() noexcept {
+  return std::min(env_cap(), g_cap.load(std::memory_order_relaxed)) == 3;
+}
 
 }  // namespace qkv::detail

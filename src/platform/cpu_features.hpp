@@ -37,5 +37,9 @@ Isa active_isa() noexcept;
 /// while attention calls run on other threads.
 Isa set_isa_cap(Isa cap) noexcept;
 void reset_isa_cap() noexcept;
+/// Whether avx512bf16 was asked for by name (QKV_ISA=avx512bf16 or set_isa_cap(avx512bf16)):
+/// the kernels then use the bf16 dot products even where they are slower than fp32 FMAs
+/// (otherwise kernels/isa_select.cpp uses them only where they pay).
+bool bf16_dot_requested() noexcept;
 
 }  // namespace qkv::detail

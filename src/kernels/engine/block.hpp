@@ -124,30 +124,6 @@ struct BlockProcessor {
 
   static bool vec_ranges(const Block& blk) { return blk.kb < (i64{1} << 24); }
 
-  // dst[c * sp + r] = 32-bit word c of row r (an fp32 value, or a bf16 pair) for c < cols and
-  // r < sp, rows r >= n zero: W x W blocks transposed in registers (Ops::transpose, shuffles only:
-  // the bits pass unchanged), the last cols % W words one by one. Element by element, with a
-  // store to a new cache line each time, packing Q was a visible part of short calls
-  // (docs/performance.md).
-  static void transpose_words(const char* const* src, int n, i64 cols, float* dst, int sp) {
-    alignas(64) static constexpr float kZeros[W] = {};
-    const i64 cw = cols / W * W;
-    for (int r0 = 0; r0 < sp; r0 += W) {
-      const float* rows[W];
-      for (i64 c = 0; c < cw; c += W) {
-        for (int x = 0; x < W; ++x)
-          rows[x] = r0 + x < n ? reinterpret_cast<const float*>(src[r0 + x] + 4 * c) : kZeros;
-        Ops::transpose(rows, dst + c * sp + r0, sp);
-      }
-      for (i64 c = cw; c < cols; ++c)
-        for (int x = 0; x < W; ++x) {
-          float* d = dst + c * sp + r0 + x;
-          if (r0 + x < n) std::memcpy(d, src[r0 + x] + 4 * c, 4);
-          else *d = 0.0f;
-        }
-    }
-  }
-
   // w.qt[d * sp + r] = q_r[d] (fp32), rows r >= n zero; bf16/f16 rows are converted into w.qr
   // first.
   template <Elt E>
@@ -162,25 +138,15 @@ struct BlockProcessor {
         src[r] = reinterpret_cast<const char*>(w.qr + r * D);
       }
     }
-    transpose_words(src, n, D, w.qt, sp);
+    Mk::transpose_words(src, n, D, w.qt, sp);
   }
 
-  // bf16 pairs for vdpbf16ps: qp[dp * sp + r] = (q_r[2 dp], q_r[2 dp + 1]) as one 32-bit word
-  // (low half first), rows r >= n and the missing partner of an odd D zero. A pair is one
-  // little-endian 32-bit word of the row as stored, so whole pairs are the rows' words transposed.
+  // bf16 pairs for vdpbf16ps: qp[dp * sp + r] = (q_r[2 dp], q_r[2 dp + 1]) (Mk::pack_pairs).
   static void pack_qp(const Problem& p, const Ws& w, int n, int sp) {
-    std::uint32_t* qp = reinterpret_cast<std::uint32_t*>(w.qt);
-    const i64 D = p.D, D2 = D / 2;  // whole pairs
     const char* src[BQ];
     for (int r = 0; r < n; ++r)
       src[r] = reinterpret_cast<const char*>(static_cast<const std::uint16_t*>(p.q.data) + w.rows[r].q_off);
-    transpose_words(src, n, D2, w.qt, sp);
-    if (D & 1)
-      for (int r = 0; r < sp; ++r) {
-        std::uint16_t last = 0;
-        if (r < n) std::memcpy(&last, src[r] + 2 * (D - 1), 2);
-        qp[D2 * sp + r] = last;
-      }
+    Mk::pack_pairs(src, n, p.D, reinterpret_cast<std::uint32_t*>(w.qt), sp);
   }
 
   // One key tile [t0, min(t0 + BK, blk.kb)) of a started block: S = QK^T, masks, online softmax,

@@ -18,6 +18,7 @@
 //   block.hpp         one query block against its key tiles: online softmax, masks, the end
 //   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap)
 //   drivers.hpp       flash and decode over the whole problem, threads, the log-sum-exp merge
+//   backward_tiles.hpp  the backward's workspace, packed query blocks and key tiles (fp32, bf16)
 //   backward.hpp      the FlashAttention-2 backward (Algorithm 2) over the whole problem
 // and here the one switch from run-time options to template parameters, and the entry points of
 // the IsaKernels table (kernels/isa_kernels.hpp).
@@ -100,16 +101,19 @@ struct Engine {
     dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
   }
 
-  // The backward (backward.hpp) has no bf16 dot-product path: DP is always false.
+  // The backward (backward.hpp): the bf16 dot-product form when q, k, v, dO and O are all bf16.
   template <Elt E, bool DP, bool MASK, bool CAP>
   struct BackwardFn {
-    static void run(const BackwardProblem& bp, char* ws, int t) { Backward<Ops>::template run<E, MASK, CAP>(bp, ws, t); }
+    static void run(const BackwardProblem& bp, char* ws, int t) {
+      Backward<Ops>::template run<E, DP, MASK, CAP>(bp, ws, t);
+    }
   };
   static std::size_t backward_workspace(const BackwardProblem& bp, int threads) {
     return Backward<Ops>::workspace(bp.fwd, threads);
   }
-  static void backward(const BackwardProblem& bp, void* ws, int threads) {
-    dispatch<BackwardFn>(bp, static_cast<char*>(ws), threads, false);
+  static void backward(const BackwardProblem& bp, void* ws, int threads, bool bf16_dot) {
+    const bool dot = bf16_dot && bp.dout.dtype == DType::bf16 && bp.fwd.out.dtype == DType::bf16;
+    dispatch<BackwardFn>(bp, static_cast<char*>(ws), threads, dot);
   }
 };
 

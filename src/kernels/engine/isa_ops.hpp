@@ -76,7 +76,7 @@ concept IsaOpsGroupedScores = requires(const typename Ops::V* a, typename Ops::V
 
 /// Ops::kHasDpbf16: the bf16 dot-product path of the block processor (bf16 inputs).
 template <class Ops>
-concept IsaOpsDpbf16 = requires(const std::uint32_t* qp, const std::uint16_t* k, const float* s, float* out,
+concept IsaOpsDpbf16 = requires(typename Ops::V v, const std::uint32_t* qp, const std::uint16_t* k, const float* s, float* out,
                                 std::uint32_t* packed, const std::uint32_t* pp, const float* alpha,
                                 std::int64_t stride, int i) {
   // qk_bf16(qp, nqv, k, ks, D, kt, s, ssp): s[j * ssp + r] = q_r . k_j for kt key rows (stride
@@ -91,6 +91,8 @@ concept IsaOpsDpbf16 = requires(const std::uint32_t* qp, const std::uint16_t* k,
   // pv_bf16(pp, sp, vp, nvec, kt2, o, os, alpha, n): o[r] = alpha[r] o[r] + sum over the kt2
   // key pairs of P V, for n rows, accumulated in fp32.
   Ops::pv_bf16(pp, i, pp, i, i, out, stride, alpha, i);
+  // dot_pairs(acc, a, b): acc + the W lanes' pair sums a[x] . b[x] in qk_bf16's order.
+  { Ops::dot_pairs(v, pp, pp) } -> std::same_as<typename Ops::V>;
 };
 
 /// Everything the engine needs from an ISA: the core, and each optional part its flags promise.

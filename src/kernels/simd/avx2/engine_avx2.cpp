@@ -149,6 +149,7 @@ const IsaKernels kIsaKernelsAvx2 = {
     engine_avx2::E::backward_workspace, engine_avx2::E::backward,
     engine_avx2::Ops::kBq, engine_avx2::Ops::kBk,
     engine_avx2::E::exp_array,
+    nullptr,
 };
 
 }  // namespace qkv::detail

@@ -25,6 +25,8 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -255,6 +257,12 @@ struct Ops {
     }
   }
 
+  // acc + a . b lane by lane over W bf16 pairs (vdpbf16ps): the sums of pairs that qk_bf16 forms,
+  // in the same order, for the backward's D = rowsum(dO * O).
+  static V dot_pairs(V acc, const std::uint32_t* a, const std::uint32_t* b) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
+  }
+
   template <int MR, int NC>
   static void pv_bf16_mk(const std::uint32_t* pp, int sp, const std::uint32_t* vp, int dvp, int kt2,
                          float* o, std::int64_t os, const float* alpha) {
@@ -305,6 +313,49 @@ static_assert(IsaOps<Ops>, "Ops must provide what the engine uses (kernels/engin
 
 using E = Engine<Ops>;
 
+// Floating-point operations per second of vdpbf16ps over those of vfmadd231ps, measured on
+// this thread: 16 independent accumulators each (enough to hide either's latency), the best of
+// three alternating trials of about a millisecond. CPUs differ by 4x here: some run vdpbf16ps
+// at twice the fp32 FMA rate, others at half of it, where the bf16 dot-product path would be the
+// slower one.
+double bf16_dot_rate() {
+  constexpr int kAcc = 16;
+  constexpr long kIters = 20000;
+  auto seconds = [](auto body) {
+    const auto t0 = std::chrono::steady_clock::now();
+    body();
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  float sink = 0.0f;
+  auto dot = [&] {
+    __m512 acc[kAcc];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const __m512bh x = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+    for (long n = 0; n < kIters; ++n)
+#pragma GCC unroll 16
+      for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, x);
+    for (auto& a : acc) sink += _mm512_reduce_add_ps(a);
+  };
+  auto fma = [&] {
+    __m512 acc[kAcc];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-7f);
+    for (long n = 0; n < kIters; ++n)
+#pragma GCC unroll 16
+      for (int i = 0; i < kAcc; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+    for (auto& a : acc) sink += _mm512_reduce_add_ps(a);
+  };
+  double td = 1e30, tf = 1e30;
+  for (int trial = 0; trial < 3; ++trial) {
+    td = std::min(td, seconds(dot));
+    tf = std::min(tf, seconds(fma));
+  }
+  volatile float keep = sink;  // the accumulators are used
+  (void)keep;
+  // vdpbf16ps: 32 products and 32 sums per instruction; vfmadd231ps: 16 and 16.
+  return (64.0 / td) / (32.0 / tf);
+}
+
 }  // namespace engine_avx512
 
 const IsaKernels kIsaKernelsAvx512 = {
@@ -314,6 +365,7 @@ const IsaKernels kIsaKernelsAvx512 = {
     engine_avx512::E::backward_workspace, engine_avx512::E::backward,
     engine_avx512::Ops::kBq, engine_avx512::Ops::kBk,
     engine_avx512::E::exp_array,
+    engine_avx512::bf16_dot_rate,
 };
 
 }  // namespace qkv::detail

@@ -62,6 +62,7 @@ const IsaKernels kIsaKernelsScalar = {
     engine_scalar::E::backward_workspace, engine_scalar::E::backward,
     engine_scalar::Ops::kBq, engine_scalar::Ops::kBk,
     engine_scalar::E::exp_array,
+    nullptr,
 };
 
 }  // namespace qkv::detail
