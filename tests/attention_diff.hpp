@@ -87,10 +87,10 @@ inline std::int64_t off4(const TensorView& t, std::int64_t a, std::int64_t b, st
 /// The ISA levels this machine can run (all of them are tested in turn).
 inline std::vector<detail::Isa> test_isas(DType dt) {
   std::vector<detail::Isa> v;
-  for (int l = 0; l <= 3; ++l) {
+  for (int l = 0; l <= static_cast<int>(detail::Isa::avx512amx); ++l) {
     const auto isa = static_cast<detail::Isa>(l);
     if (!detail::isa_compiled(isa) || !detail::isa_supported(isa)) continue;
-    if (isa == detail::Isa::avx512bf16 && dt != DType::bf16) continue;  // same code as avx512
+    if (isa >= detail::Isa::avx512bf16 && dt != DType::bf16) continue;  // same code as avx512
     v.push_back(isa);
   }
   return v;
@@ -343,7 +343,7 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
     // errs by ~sqrt(D) 2^-24 sum |q_d k_d| (x scale): two such units are allowed on top.
     double lse_floor = 1e-6 + 2 * std::sqrt(double(c.D)) * std::ldexp(1.0, -24) * std::abs(p.scale) * max_abs_dot;
     // P rounded to bf16 (relative 2^-9 per weight) moves O by at most max|v| / 512.
-    if (dt == DType::bf16 && isa == detail::Isa::avx512bf16) floor += vabs / 256.0;
+    if (dt == DType::bf16 && isa >= detail::Isa::avx512bf16) floor += vabs / 256.0;
     EXPECT_LE(err, naive_factor * st.naive_err + floor) << "naive fp32 error " << st.naive_err;
     EXPECT_LE(lerr, naive_factor * st.naive_lse_err + lse_floor) << "naive fp32 lse error " << st.naive_lse_err;
     if (std::getenv("QKV_TEST_VERBOSE"))

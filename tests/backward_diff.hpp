@@ -323,7 +323,7 @@ inline double run_backward_case(const BwConfig& c, double factor = 2.0) {
       double floor = 1e-6 * std::max(1.0, gmax);
       if (c.grad == DType::bf16) floor += gmax * std::ldexp(1.0, -8);
       if (c.grad == DType::f16) floor += gmax * std::ldexp(1.0, -11);
-      if (dot_path && isa == detail::Isa::avx512bf16) floor += std::ldexp(max_abs(*abs_terms[x]), -8);
+      if (dot_path && isa >= detail::Isa::avx512bf16) floor += std::ldexp(max_abs(*abs_terms[x]), -8);
       const double err = max_abs_diff(got, *refs[x]);
       const double nerr = std::max(max_abs_diff(*naive[x], *refs[x]), max_abs_diff(*naive_lse[x], *refs[x]));
       EXPECT_LE(err, factor * nerr + floor) << names[x] << ": naive fp32 error " << nerr << ", max |ref| " << gmax;

@@ -144,7 +144,7 @@ TEST(KernelBits, FixedGridOnEveryIsa) {
   const auto golden = read_golden(golden_path);
   std::ostringstream written;
   int compared = 0;
-  for (int l = 0; l <= 3; ++l) {
+  for (int l = 0; l <= static_cast<int>(detail::Isa::avx512amx); ++l) {
     const auto isa = static_cast<detail::Isa>(l);
     if (!detail::isa_compiled(isa) || !detail::isa_supported(isa)) continue;
     IsaCap cap(isa);

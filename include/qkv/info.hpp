@@ -15,13 +15,15 @@ struct KernelInfo {
 /// CPU features detected at run time, e.g. "avx2 fma f16c avx512f ... avx512_bf16".
 std::string cpu_features_string();
 /// The instruction-set level the fast kernels use here ("scalar", "avx2", "avx512" or
-/// "avx512bf16"): the best one compiled and supported, capped by QKV_ISA if set.
+/// "avx512bf16" or "avx512amx"): the best one compiled and supported, capped by QKV_ISA if set.
 std::string active_isa_string();
-/// Whether bf16 inputs use the AVX512_BF16 dot products (vdpbf16ps) here, and why: e.g.
+/// How bf16 inputs are multiplied here: on AMX tiles ("used, on AMX tiles (avx512amx)"), with
+/// the AVX512_BF16 dot products (vdpbf16ps), or widened to fp32, and why: e.g.
 /// "used (measured 1.92x the fp32 FMA rate)" or "not used: measured 0.50x the fp32 FMA rate
 /// (QKV_ISA=avx512bf16 forces them)". The rate is measured once per process (about 10 ms).
 std::string bf16_dot_string();
-/// Whether bf16 inputs use the AVX512_BF16 dot products here (see bf16_dot_string()).
+/// Whether bf16 inputs use the AVX512_BF16 dot products (vdpbf16ps) here (see
+/// bf16_dot_string()); false where they use AMX tiles.
 bool bf16_dot_used();
 /// The kernels compiled into this build, in dispatch priority order.
 std::vector<KernelInfo> compiled_kernels();

@@ -13,6 +13,7 @@ std::string cpu_features_string() { return detail::cpu_features().to_string(); }
 std::string active_isa_string() { return detail::isa_name(detail::active_isa()); }
 
 std::string bf16_dot_string() {
+  if (detail::active_isa() == detail::Isa::avx512amx) return "used, on AMX tiles (avx512amx)";
   if (detail::active_isa() != detail::Isa::avx512bf16) return "not available at this ISA level";
   char rate[96];
   std::snprintf(rate, sizeof rate, "measured %.2fx the fp32 FMA rate", detail::bf16_dot_rate());
@@ -21,7 +22,7 @@ std::string bf16_dot_string() {
   return std::string("not used: ") + rate + " (QKV_ISA=avx512bf16 forces them)";
 }
 
-bool bf16_dot_used() { return detail::bf16_dot_enabled(); }
+bool bf16_dot_used() { return detail::bf16_dot_enabled() && detail::active_isa() == detail::Isa::avx512bf16; }
 
 std::vector<KernelInfo> compiled_kernels() {
   std::vector<KernelInfo> out;

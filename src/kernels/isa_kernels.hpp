@@ -37,6 +37,9 @@ struct IsaKernels {
 #if defined(QKV_HAVE_AVX512)
 extern const IsaKernels kIsaKernelsAvx512;
 #endif
+#if defined(QKV_HAVE_AVX512AMX)
+extern const IsaKernels kIsaKernelsAvx512Amx;
+#endif
 #if defined(QKV_HAVE_AVX2)
 extern const IsaKernels kIsaKernelsAvx2;
 #endif
@@ -52,8 +55,9 @@ const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept;
 /// The measured rate of the bf16 dot product against the fp32 FMA (0 where there is none),
 /// measured once per process.
 double bf16_dot_rate() noexcept;
-/// Whether the fast kernels use the bf16 dot products for bf16 inputs: on avx512bf16 when they
-/// run at least kBf16DotMinRate x the fp32 FMA rate, or when avx512bf16 was asked for by name.
+/// Whether the fast kernels use bf16 products for bf16 inputs: always on avx512amx (AMX tiles);
+/// on avx512bf16 (vdpbf16ps) when they run at least kBf16DotMinRate x the fp32 FMA rate, or when
+/// avx512bf16 was asked for by name.
 bool bf16_dot_enabled() noexcept;
 inline constexpr double kBf16DotMinRate = 1.25;
 /// Threads a call uses: params.num_threads, or OpenMP's default when 0 (1 for calls under ~10^6

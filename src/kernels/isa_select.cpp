@@ -8,8 +8,11 @@ namespace qkv::detail {
 
 const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept {
   const Isa isa = active_isa();
-  bf16_dot = isa == Isa::avx512bf16 && bf16_dot_enabled();
+  bf16_dot = (isa == Isa::avx512bf16 || isa == Isa::avx512amx) && bf16_dot_enabled();
   switch (isa) {
+#if defined(QKV_HAVE_AVX512AMX)
+    case Isa::avx512amx: return kIsaKernelsAvx512Amx;
+#endif
 #if defined(QKV_HAVE_AVX512)
     case Isa::avx512bf16:
     case Isa::avx512: return kIsaKernelsAvx512;
@@ -33,7 +36,10 @@ double bf16_dot_rate() noexcept {
 bool bf16_dot_enabled() noexcept {
   // Which form computes a bf16 call depends on the CPU, as the ISA level does; the margin
   // around 1 keeps the choice stable on a busy machine (CPUs measure near 0.5 or near 2).
-  return active_isa() == Isa::avx512bf16 && (bf16_dot_requested() || bf16_dot_rate() >= kBf16DotMinRate);
+  // AMX tiles are always the fastest form where they exist.
+  const Isa isa = active_isa();
+  if (isa == Isa::avx512amx) return true;
+  return isa == Isa::avx512bf16 && (bf16_dot_requested() || bf16_dot_rate() >= kBf16DotMinRate);
 }
 
 int call_threads(const Problem& p) noexcept {
@@ -49,7 +55,7 @@ int call_threads(const Problem& p) noexcept {
 
 std::string isa_summary() {
   std::string s;
-  for (int l = 3; l >= 0; --l) {
+  for (int l = static_cast<int>(Isa::avx512amx); l >= 0; --l) {
     const Isa isa = static_cast<Isa>(l);
     if (!isa_compiled(isa)) continue;
     if (!s.empty()) s += ", ";
