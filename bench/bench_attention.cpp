@@ -41,8 +41,7 @@ void set_counters(benchmark::State& state, const BenchShape& s, bool causal, qkv
   const double gbps = qkv::bench::kv_bytes(s, dtype) * iters / seconds * 1e-9;
   state.counters["GFLOP/s"] = gflops;
   state.counters["GB/s"] = gbps;
-  double peak = dtype == qkv::DType::bf16 && qkv::bf16_dot_used() && g_peaks.bf16_gflops > 0 ? g_peaks.bf16_gflops
-                                                                                        : g_peaks.fma_gflops;
+  double peak = qkv::bench::compute_peak_value(g_peaks, qkv::bench::compute_peak_name(dtype));
   if (decode) peak = qkv::bench::measure_read_bandwidth(g_peaks.threads, qkv::bench::kv_bytes(s, dtype));
   if (peak > 0) state.counters["peak_frac"] = (decode ? gbps : gflops) / peak;
 }
@@ -209,6 +208,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("threads", std::to_string(threads));
   benchmark::AddCustomContext("peak_fma_gflops", std::to_string(g_peaks.fma_gflops) + " (" + g_peaks.fma_isa + ")");
   benchmark::AddCustomContext("peak_bf16_gflops", std::to_string(g_peaks.bf16_gflops));
+  benchmark::AddCustomContext("peak_amx_gflops", std::to_string(g_peaks.amx_gflops));
   benchmark::AddCustomContext("peak_read_gbps", std::to_string(g_peaks.read_gbps));
 
   register_all(max_seqlen, threads);

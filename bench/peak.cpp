@@ -12,6 +12,7 @@
 
 #include "platform/cpu_features.hpp"
 #include "peak_kernels.hpp"
+#include "qkv/info.hpp"
 #include "qkv_bench.hpp"
 
 namespace qkv::bench {
@@ -157,6 +158,7 @@ Peaks measure_compute_peaks(int threads, double seconds, bool fma, bool bf16) {
     if (fma) p.fma_gflops = loop_gflops(p.threads, 32.0 * detail::kChains, seconds, detail::fma_loop_avx512);
     if (cpu.avx512bf16 && bf16)
       p.bf16_gflops = loop_gflops(p.threads, 64.0 * detail::kChains, seconds, detail::bf16_loop_avx512);
+    if (cpu.amx && bf16) p.amx_gflops = loop_gflops(p.threads, 4.0 * 16 * 16 * 32 * 2, seconds, detail::amx_loop);
   } else if (cpu.avx2_fma()) {
     p.fma_isa = "avx2";
     if (fma) p.fma_gflops = loop_gflops(p.threads, 16.0 * detail::kChainsAvx2, seconds, detail::fma_loop_avx2);
@@ -167,6 +169,18 @@ Peaks measure_compute_peaks(int threads, double seconds, bool fma, bool bf16) {
     if (fma) p.fma_gflops = loop_gflops(p.threads, 16.0, seconds, fma_loop_scalar);
   }
   return p;
+}
+
+std::string compute_peak_name(DType dtype) {
+  if (dtype != DType::bf16) return "fma_gflops";
+  if (qkv::active_isa_string() == "avx512amx") return "amx_gflops";
+  return qkv::bf16_dot_used() ? "bf16_gflops" : "fma_gflops";
+}
+
+double compute_peak_value(const Peaks& p, const std::string& name) {
+  if (name == "amx_gflops") return p.amx_gflops;
+  if (name == "bf16_gflops") return p.bf16_gflops;
+  return p.fma_gflops;
 }
 
 Peaks measure_peaks(int threads, double seconds, double read_mib) {

@@ -17,6 +17,9 @@ inline constexpr int kChainsAvx2 = 12;
 float fma_loop_avx512(std::int64_t iters) noexcept;
 /// The same with vdpbf16ps (32 bf16 pairs -> 16 fp32 lanes): 64 * kChains * iters FLOP.
 float bf16_loop_avx512(std::int64_t iters) noexcept;
+/// `iters` iterations of four independent tdpbf16ps (16 x 16 fp32 results of 32 bf16 products
+/// each) on AMX tiles: 4 * 16 * 16 * 32 * 2 * iters FLOP. Needs AMX and the OS's permission.
+float amx_loop(std::int64_t iters) noexcept;
 /// The same with ymm FMA (8 lanes): 16 * kChainsAvx2 * iters FLOP.
 float fma_loop_avx2(std::int64_t iters) noexcept;
 /// Sums n floats (n a multiple of 64, p 64-byte aligned) with aligned 512-bit loads.

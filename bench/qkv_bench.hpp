@@ -113,14 +113,21 @@ struct Peaks {
   int threads = 1;
   double fma_gflops = 0;   ///< fp32 FMA throughput (AVX-512, else AVX2), GFLOP/s, 2 FLOP per FMA lane
   double bf16_gflops = 0;  ///< vdpbf16ps throughput, GFLOP/s, 4 FLOP per fp32 lane
+  double amx_gflops = 0;   ///< AMX tdpbf16ps throughput, GFLOP/s (0 without AMX)
   double read_gbps = 0;    ///< streaming reads of a read_mib buffer (far beyond the caches), GB/s (1e9 B)
   double read_mib = 512;
   std::string fma_isa;     ///< "avx512", "avx2" or "scalar"
 };
+/// The peak a row of `dtype` is judged against: "amx_gflops" for bfloat16 on AMX tiles,
+/// "bf16_gflops" for bfloat16 on the AVX512_BF16 dot products, "fma_gflops" otherwise (fp32,
+/// fp16, and bfloat16 widened to fp32); and its value in `p` (0 if not measured).
+std::string compute_peak_name(DType dtype);
+double compute_peak_value(const Peaks& p, const std::string& name);
 /// Runs the three microbenchmarks with `threads` OpenMP threads, each for about `seconds`.
 Peaks measure_peaks(int threads, double seconds = 0.25, double read_mib = 512);
-/// The compute microbenchmarks only: fma_gflops (unless !fma) and bf16_gflops (unless !bf16, or
-/// no AVX512_BF16), fma_isa; the figures not measured and read_gbps stay 0.
+/// The compute microbenchmarks only: fma_gflops (unless !fma), bf16_gflops and amx_gflops
+/// (unless !bf16, or no AVX512_BF16 / AMX), fma_isa; the figures not measured and read_gbps
+/// stay 0.
 Peaks measure_compute_peaks(int threads, double seconds = 0.25, bool fma = true, bool bf16 = true);
 /// Read bandwidth in GB/s of `threads` threads streaming through a buffer of about `bytes`
 /// (split evenly, first touched by its reader), best pass of those in about `seconds`. On this

@@ -95,6 +95,7 @@ void run_bench(BenchOptions o) {
     std::fprintf(out,
                  "peak, %d thread%s: fp32 FMA (%s) %.1f GFLOP/s, bf16 dot %.1f GFLOP/s, read %.1f GB/s (%.0f MiB buffer)\n",
                  t, t == 1 ? "" : "s", p.fma_isa.c_str(), p.fma_gflops, p.bf16_gflops, p.read_gbps, p.read_mib);
+    if (p.amx_gflops > 0) std::fprintf(out, "  AMX bf16 tiles %.1f GFLOP/s\n", p.amx_gflops);
   }
   if (backward) std::fprintf(out, "%s\n", kBackwardFlopsNote);
   print_header(out, kind_width);

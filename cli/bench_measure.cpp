@@ -139,13 +139,14 @@ void Runner::time_row(Row& r, const std::function<void()>& call, double flops, b
   // The peak the row is judged against (compute, or for decode the read bandwidth of a buffer of
   // its K+V size, whole MiB as in PeakTable::read_gbps), measured again by the same
   // microbenchmark right before and right after the timed runs.
-  const bool bf16_peak = r.dtype == DType::bf16 && qkv::bf16_dot_used() && peaks_.at(threads).bf16_gflops > 0;
+  const std::string peak_name = bench::compute_peak_name(r.dtype);
+  const bool fma_peak = peak_name == "fma_gflops";
   const auto adjacent = [&] {
     if (r.kind == "decode")
       return bench::measure_read_bandwidth(threads, PeakTable::whole_mib_bytes(bench::kv_bytes(s, r.dtype)),
                                            o_.adjacent_seconds);
-    const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds, !bf16_peak, bf16_peak);
-    return bf16_peak ? c.bf16_gflops : c.fma_gflops;
+    const bench::Peaks c = bench::measure_compute_peaks(threads, o_.adjacent_seconds, fma_peak, !fma_peak);
+    return bench::compute_peak_value(c, peak_name);
   };
   const bool adj = with_adjacent && o_.adjacent_seconds > 0;
   const double before = adj ? adjacent() : 0.0;
@@ -160,12 +161,9 @@ void Runner::time_row(Row& r, const std::function<void()>& call, double flops, b
     r.peak_name = "read_gbps";
     r.peak_value = peaks_.read_gbps(threads, bench::kv_bytes(s, r.dtype));
     r.kv_read_gbps = peaks_.read_gbps(threads, bench::kv_bytes(s, r.dtype), true);
-  } else if (r.dtype == DType::bf16 && qkv::bf16_dot_used() && pk.bf16_gflops > 0) {
-    r.peak_name = "bf16_gflops";
-    r.peak_value = pk.bf16_gflops;
   } else {
-    r.peak_name = "fma_gflops";
-    r.peak_value = pk.fma_gflops;
+    r.peak_name = peak_name;
+    r.peak_value = bench::compute_peak_value(pk, peak_name);
   }
   r.peak_fraction = r.peak_value > 0 ? r.rate() / r.peak_value : 0;
 }

@@ -60,7 +60,7 @@ json row_json(const Row& r) {
 
 json peaks_json(const bench::Peaks& p) {
   return {{"threads", p.threads}, {"fma_isa", p.fma_isa}, {"fma_gflops", p.fma_gflops},
-          {"bf16_gflops", p.bf16_gflops}, {"read_gbps", p.read_gbps}, {"read_mib", p.read_mib}};
+          {"bf16_gflops", p.bf16_gflops}, {"amx_gflops", p.amx_gflops}, {"read_gbps", p.read_gbps}, {"read_mib", p.read_mib}};
 }
 
 }  // namespace
@@ -115,10 +115,11 @@ std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Pe
       md += std::string("Backward rows: ") + kBackwardFlopsNote + "; x baseline against the naive BLAS backward.\n\n";
       break;
     }
-  md += "| threads | fp32 FMA GFLOP/s | bf16 dot GFLOP/s | read GB/s (buffer) |\n|---:|---:|---:|---:|\n";
+  md += "| threads | fp32 FMA GFLOP/s | bf16 dot GFLOP/s | AMX bf16 GFLOP/s | read GB/s (buffer) |\n"
+        "|---:|---:|---:|---:|---:|\n";
   for (const auto& [t, p] : peaks) {
-    std::snprintf(buf, sizeof buf, "| %d | %.0f (%s) | %.0f | %.1f (%.0f MiB) |\n", t, p.fma_gflops, p.fma_isa.c_str(),
-                  p.bf16_gflops, p.read_gbps, p.read_mib);
+    std::snprintf(buf, sizeof buf, "| %d | %.0f (%s) | %.0f | %.0f | %.1f (%.0f MiB) |\n", t, p.fma_gflops,
+                  p.fma_isa.c_str(), p.bf16_gflops, p.amx_gflops, p.read_gbps, p.read_mib);
     md += buf;
   }
   md += "\n| kind | B,Hq,Hkv,Sq,Sk,D | causal | dtype | kernel | thr | seconds | rate | baseline s | x baseline | % of peak "
@@ -175,6 +176,7 @@ std::string json_document(const std::vector<Row>& rows, PeakTable& peaks, int th
               {"cpu_features", qkv::cpu_features_string()},
               {"openblas_core", bench::blas_core_name()},
               {"openblas_note", bench::blas_env_note()},
+              {"kernel_isa", qkv::active_isa_string()},
               {"bf16_dot_used", qkv::bf16_dot_used()},
               {"bf16_dot", qkv::bf16_dot_string()},
               {"threads", threads},

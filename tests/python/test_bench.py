@@ -101,8 +101,12 @@ def main() -> int:
                 check(abs(row["kv_read_fraction"] * row["kv_read_gbps"] - row["gbps"]) <= 1e-9 * row["gbps"],
                       f"kv_read_fraction {row}")
             if row["kind"] in ("backward", "backward-scaling", "backward-memory"):
-                check(row["peak"] == ("bf16_gflops" if row["dtype"] == "bfloat16" and doc["bf16_dot_used"] and doc["peaks"][str(row["threads"])]["bf16_gflops"] > 0
-                                      else "fma_gflops"), f"backward peak {row}")
+                want = "fma_gflops"
+                if row["dtype"] == "bfloat16" and doc["kernel_isa"] == "avx512amx":
+                    want = "amx_gflops"
+                elif row["dtype"] == "bfloat16" and doc["bf16_dot_used"]:
+                    want = "bf16_gflops"
+                check(row["peak"] == want, f"backward peak {row}")
                 check(row["peak_fraction"] > 0, f"backward peak fraction {row}")
             if row["kind"] in ("scaling", "backward-scaling"):
                 check(row.get("seconds_1thread", 0) > 0, "scaling row without a 1-thread time")
