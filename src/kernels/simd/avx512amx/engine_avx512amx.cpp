@@ -10,8 +10,8 @@
 //            Q packed as (d, d+1) pairs per query (qp), C = 16 keys x 16 queries of fp32 scores,
 //            stored key-major as the engine keeps S.
 //   pv_bf16: O = alpha O + P V, tile A = 16 rows x 16 pairs of P (the pairs of pp transposed in
-//            registers), tile B = V packed as (key, key+1) pairs (vp), C = 16 rows x 16 values,
-//            added to alpha O in fp32.
+//            registers), tile B = V packed as (key, key+1) pairs (vp), C = 16 rows x 16 values
+//            of alpha O (scaled in place), loaded from O and stored back.
 // Shapes the tiles do not cover exactly (D not a multiple of 32, a key tile not a multiple of 16
 // keys, an odd number of key pairs) take OpsAvx512's vdpbf16ps kernels instead: tiles never read
 // past a row nor a padding that may hold stale bits.
@@ -103,13 +103,23 @@ struct Ops : OpsAvx512 {
     }
   }
 
-  // C tiles 0..NC-1 = A (the nkb blocks of 16 pairs in a) times NC x 16 columns of vp.
+  // C tiles 0..NC-1 += A (the nkb blocks of 16 pairs in a) times NC x 16 columns of vp. C starts
+  // as 16 rows of `c` (pitch cs floats) when `load`, else as 0, and is stored back there.
   template <int NC>
-  static void pv_tiles(const std::uint32_t* a, int nkb, const std::uint32_t* vp, int dvp, float* c) {
-    _tile_zero(0);
-    if constexpr (NC > 1) _tile_zero(1);
-    if constexpr (NC > 2) _tile_zero(2);
-    if constexpr (NC > 3) _tile_zero(3);
+  static void pv_tiles(const std::uint32_t* a, int nkb, const std::uint32_t* vp, int dvp, float* c, int cs,
+                       bool load) {
+    const int cstride = cs * 4;
+    if (load) {
+      _tile_loadd(0, c, cstride);
+      if constexpr (NC > 1) _tile_loadd(1, c + 16, cstride);
+      if constexpr (NC > 2) _tile_loadd(2, c + 32, cstride);
+      if constexpr (NC > 3) _tile_loadd(3, c + 48, cstride);
+    } else {
+      _tile_zero(0);
+      if constexpr (NC > 1) _tile_zero(1);
+      if constexpr (NC > 2) _tile_zero(2);
+      if constexpr (NC > 3) _tile_zero(3);
+    }
     const int vstride = dvp * 4;
     for (int kb = 0; kb < nkb; ++kb) {
       _tile_loadd(4, a + kb * 256, 64);
@@ -127,13 +137,16 @@ struct Ops : OpsAvx512 {
         _tile_dpbf16ps(3, 4, 5);
       }
     }
-    _tile_stored(0, c, 64 * 4);
-    if constexpr (NC > 1) _tile_stored(1, c + 16, 64 * 4);
-    if constexpr (NC > 2) _tile_stored(2, c + 32, 64 * 4);
-    if constexpr (NC > 3) _tile_stored(3, c + 48, 64 * 4);
+    _tile_stored(0, c, cstride);
+    if constexpr (NC > 1) _tile_stored(1, c + 16, cstride);
+    if constexpr (NC > 2) _tile_stored(2, c + 32, cstride);
+    if constexpr (NC > 3) _tile_stored(3, c + 48, cstride);
   }
 
-  // o[r] = alpha[r] o[r] + sum over the kt2 pairs of P V, as OpsAvx512::pv_bf16.
+  // o[r] = alpha[r] o[r] + sum over the kt2 pairs of P V, as OpsAvx512::pv_bf16. A block of 16
+  // whole rows is scaled by alpha in place (skipped where every alpha is 1, as after the first
+  // tiles of a row) and then accumulated on the tiles, loaded from and stored to o; a last block
+  // of fewer rows is computed from 0 and added, so that no row past n is ever read or written.
   static void pv_bf16(const std::uint32_t* pp, int sp, const std::uint32_t* vp, int nvec, int kt2, float* o,
                       std::int64_t os, const float* alpha, int n) {
     constexpr int kMaxPairBlocks = 4;  // kt2 <= 64: a key tile of kBk = 64 keys, or 128 rows
@@ -144,7 +157,15 @@ struct Ops : OpsAvx512 {
     _tile_loadconfig(&kTileConfig);
     const int nkb = kt2 / 16, dvp = nvec * 16;
     alignas(64) std::uint32_t a[kMaxPairBlocks * 256];  // A: 16 rows x 16 pairs per block
-    alignas(64) float c[16 * 64];                       // C: 16 rows x up to 64 values
+    alignas(64) float c[16 * 64];                       // C of a last block of fewer rows
+    auto tiles = [&](int x0, int nc, float* dst, int ds, bool load) {
+      switch (nc) {
+        case 4: pv_tiles<4>(a, nkb, vp + x0, dvp, dst, ds, load); break;
+        case 3: pv_tiles<3>(a, nkb, vp + x0, dvp, dst, ds, load); break;
+        case 2: pv_tiles<2>(a, nkb, vp + x0, dvp, dst, ds, load); break;
+        default: pv_tiles<1>(a, nkb, vp + x0, dvp, dst, ds, load); break;
+      }
+    };
     for (int r0 = 0; r0 < n; r0 += 16) {
       const int nr = n - r0 < 16 ? n - r0 : 16;
       // A[r][p] = pp[p][r0 + r]: the words of 16 x 16 blocks transposed (rows past n, inside the
@@ -154,14 +175,20 @@ struct Ops : OpsAvx512 {
         for (int x = 0; x < 16; ++x) rows[x] = reinterpret_cast<const float*>(pp + (kb * 16 + x) * sp + r0);
         Base::transpose(rows, reinterpret_cast<float*>(a + kb * 256), 16);
       }
+      if (nr == 16 && os <= (1 << 14)) {  // a tile row stride is at most 64 KiB
+        for (int r = 0; r < 16; ++r) {
+          if (alpha[r0 + r] == 1.0f) continue;
+          const V al = _mm512_set1_ps(alpha[r0 + r]);
+          float* orow = o + (r0 + r) * os;
+          for (int x = 0; x < dvp; x += 16) _mm512_storeu_ps(orow + x, _mm512_mul_ps(_mm512_loadu_ps(orow + x), al));
+        }
+        for (int x0 = 0; x0 < dvp; x0 += 64)
+          tiles(x0, (dvp - x0) / 16 < 4 ? (dvp - x0) / 16 : 4, o + r0 * os + x0, static_cast<int>(os), true);
+        continue;
+      }
       for (int x0 = 0; x0 < dvp; x0 += 64) {
         const int nc = (dvp - x0) / 16 < 4 ? (dvp - x0) / 16 : 4;
-        switch (nc) {
-          case 4: pv_tiles<4>(a, nkb, vp + x0, dvp, c); break;
-          case 3: pv_tiles<3>(a, nkb, vp + x0, dvp, c); break;
-          case 2: pv_tiles<2>(a, nkb, vp + x0, dvp, c); break;
-          default: pv_tiles<1>(a, nkb, vp + x0, dvp, c); break;
-        }
+        tiles(x0, nc, c, 64, false);
         for (int r = 0; r < nr; ++r) {
           const V al = _mm512_set1_ps(alpha[r0 + r]);
           float* orow = o + (r0 + r) * os + x0;
