@@ -32,6 +32,20 @@ def median_time(fn, repeats, warmup=1):
     return statistics.median(times)
 
 
+def paired(fn_qkv, fn_torch, repeats):
+    """Runs the two alternately (qkv, torch, qkv, torch, ...) so that both see the same load on a
+    shared machine; returns their medians and the median of the per-pair ratios torch / qkv."""
+    fn_qkv()
+    fn_torch()
+    tq, tt = [], []
+    for _ in range(repeats):
+        for fn, out in ((fn_qkv, tq), (fn_torch, tt)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(tq), statistics.median(tt), statistics.median(b / a for a, b in zip(tq, tt))
+
+
 def fwd_bwd(attn, q, k, v, do):
     def run():
         qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
@@ -49,15 +63,16 @@ def main(argv=None):
     seqs = (1024,) if args.quick else (1024, 4096)
     rows = []
 
-    def row(kind, shape, t_qkv, t_torch, unit="ms"):
+    def row(kind, shape, timing, unit="ms"):
+        t_qkv, t_torch, ratio = timing
         scale = 1e6 if unit == "us" else 1e3
         rows.append({"kind": kind, "shape": shape, "unit": unit, "qkv": t_qkv * scale, "torch": t_torch * scale,
-                     "ratio": t_torch / t_qkv})
+                     "ratio": ratio})
         r = rows[-1]
         print(f"| {kind} | {shape} | {r['qkv']:.3f} | {r['torch']:.3f} | {r['ratio']:.2f} |", flush=True)
 
     print(f"qkv {qkv.__version__}, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          "medians of {reps} runs; ratio = torch / qkv".replace("{reps}", str(reps)))
+          "medians of {reps} alternating runs; ratio = median of torch / qkv per pair".replace("{reps}", str(reps)))
     print("\n| what | shape | qkv | torch | ratio |\n| --- | --- | --- | --- | --- |")
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
@@ -68,16 +83,15 @@ def main(argv=None):
                 for causal in (False, True):
                     shape = f"{dn} D={D} S={S}{' causal' if causal else ''}"
                     with torch.no_grad():
-                        tq = median_time(lambda: qkv.attention(q, k, v, causal=causal), reps)
-                        tt = median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps)
-                    row("forward", shape, tq, tt)
+                        row("forward", shape, paired(lambda: qkv.attention(q, k, v, causal=causal),
+                                                     lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                                                     reps))
                     if dtype == torch.float32 or D == 128:
                         do = torch.randn(1, 8, S, D, generator=g).to(dtype)
-                        tq = median_time(fwd_bwd(lambda a, b, c: qt.scaled_dot_product_attention(a, b, c, is_causal=causal),
-                                                 q, k, v, do), reps)
-                        tt = median_time(fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal),
-                                                 q, k, v, do), reps)
-                        row("forward+backward", shape, tq, tt)
+                        row("forward+backward", shape, paired(
+                            fwd_bwd(lambda a, b, c: qt.scaled_dot_product_attention(a, b, c, is_causal=causal), q, k, v, do),
+                            fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal), q, k, v, do),
+                            reps))
     for dtype in (torch.float32, torch.bfloat16):
         dn = "fp32" if dtype == torch.float32 else "bf16"
         for Hkv in (8, 2):
@@ -86,17 +100,26 @@ def main(argv=None):
             k, v = (torch.randn(1, Hkv, Sk, D, generator=g).to(dtype) for _ in range(2))
             kr, vr = k.repeat_interleave(8 // Hkv, 1), v.repeat_interleave(8 // Hkv, 1)
             with torch.no_grad():
-                tq = median_time(lambda: qkv.attention(q, k, v), reps * 4)
-                t_gqa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != 8), reps * 4)
-                t_rep = median_time(lambda: F.scaled_dot_product_attention(q, kr, vr), reps * 4)
-            row("decode", f"{dn} Hq=8 Hkv={Hkv} Sk={Sk} D={D}", tq, min(t_gqa, t_rep))
+                t_gqa = median_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != 8), reps * 2)
+                t_rep = median_time(lambda: F.scaled_dot_product_attention(q, kr, vr), reps * 2)
+                best = (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != 8)) if t_gqa <= t_rep else \
+                    (lambda: F.scaled_dot_product_attention(q, kr, vr))
+                row("decode", f"{dn} Hq=8 Hkv={Hkv} Sk={Sk} D={D} (torch: {'enable_gqa' if t_gqa <= t_rep else 'K/V repeated'})",
+                    paired(lambda: qkv.attention(q, k, v), best, reps * 4))
     q = torch.randn(1, 1, 1, 8)
     qn = q.numpy()
+    def loop(fn):
+        return lambda: [fn() for _ in range(1000)]
+
+    def per_call(timing):
+        return timing[0] / 1000, timing[1] / 1000, timing[2]
+
     with torch.no_grad():
-        per = lambda fn: min(median_time(lambda: [fn() for _ in range(1000)], 5, 1) / 1000 for _ in range(3))
-        t_torch = per(lambda: F.scaled_dot_product_attention(q, q, q))
-        row("call overhead", "torch.Tensor B=H=S=1 D=8", per(lambda: qkv.attention(q, q, q)), t_torch, "us")
-        row("call overhead", "numpy B=H=S=1 D=8", per(lambda: qkv.attention(qn, qn, qn)), t_torch, "us")
+        sdpa = loop(lambda: F.scaled_dot_product_attention(q, q, q))
+        row("call overhead", "torch.Tensor B=H=S=1 D=8", per_call(paired(loop(lambda: qkv.attention(q, q, q)), sdpa, 15)),
+            "us")
+        row("call overhead", "numpy B=H=S=1 D=8", per_call(paired(loop(lambda: qkv.attention(qn, qn, qn)), sdpa, 15)),
+            "us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
