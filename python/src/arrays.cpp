@@ -1,6 +1,9 @@
 #include "arrays.hpp"
 
+#include <nanobind/stl/vector.h>
+
 #include <cstring>
+#include <cstdint>
 #include <string>
 
 #include "qkv/error.hpp"
@@ -65,6 +68,44 @@ nb::object numpy_owning(std::vector<T>&& data, const std::vector<std::int64_t>& 
   return nb::cast(nb::ndarray<nb::numpy, T>(owned->data(), dims.size(), dims.data(), owner));
 }
 }  // namespace
+
+namespace {
+
+TensorView from_descriptor(const char* name, nb::handle h) {
+  const nb::tuple t = nb::borrow<nb::tuple>(h);
+  if (t.size() != 4) throw nb::type_error((std::string(name) + ": expected an array").c_str());
+  const auto ptr = nb::cast<std::uintptr_t>(t[0]);
+  auto shape = nb::cast<Shape>(t[1]);
+  auto strides = nb::cast<Shape>(t[2]);
+  const int code = nb::cast<int>(t[3]);
+  if (code < 0 || code > static_cast<int>(DType::i64))
+    throw nb::type_error((std::string(name) + ": bad dtype code in descriptor").c_str());
+  return TensorView(reinterpret_cast<void*>(ptr), static_cast<DType>(code), std::move(shape), std::move(strides));
+}
+
+[[noreturn]] void not_an_array(const char* name, nb::handle h, const char* what) {
+  throw nb::type_error((std::string(name) + ": expected " + what + " (NumPy, PyTorch, or anything speaking DLPack or "
+                        "the buffer protocol), got " + nb::inst_name(h).c_str())
+                           .c_str());
+}
+
+}  // namespace
+
+TensorView CallArrays::in(const char* name, nb::handle h) {
+  if (PyTuple_CheckExact(h.ptr())) return from_descriptor(name, h);
+  InArray a;
+  if (!nb::try_cast(h, a, false)) not_an_array(name, h, "an array");
+  ins_.push_back(a);
+  return view_of(name, ins_.back());
+}
+
+TensorView CallArrays::out(const char* name, nb::handle h) {
+  if (PyTuple_CheckExact(h.ptr())) return from_descriptor(name, h);
+  OutArray a;
+  if (!nb::try_cast(h, a, false)) not_an_array(name, h, "a writable array");
+  outs_.push_back(a);
+  return view_of(name, outs_.back());
+}
 
 nb::object numpy_f64(std::vector<double>&& data, std::vector<std::int64_t> shape) {
   return numpy_owning(std::move(data), shape);

@@ -28,6 +28,27 @@ TensorView view_of(const char* name, const OutArray& a);
 std::optional<TensorView> view_of(const char* name, const std::optional<InArray>& a);
 std::optional<TensorView> view_of(const char* name, const std::optional<OutArray>& a);
 
+/// The arguments of one call, each given as an array object (DLPack or the buffer protocol; kept
+/// alive here until the call ends) or, from the package's own Python code for PyTorch tensors, as
+/// a descriptor tuple (data_ptr, shape, strides in elements, qkv::DType code) of a strided CPU
+/// tensor that the caller holds for the duration of the call: the cheapest way to read a tensor
+/// without a copy (python/qkv/_ops.py, _raw()).
+class CallArrays {
+ public:
+  TensorView in(const char* name, nb::handle h);
+  TensorView out(const char* name, nb::handle h);
+  std::optional<TensorView> in_opt(const char* name, nb::handle h) {
+    return h.is_none() ? std::nullopt : std::optional<TensorView>(in(name, h));
+  }
+  std::optional<TensorView> out_opt(const char* name, nb::handle h) {
+    return h.is_none() ? std::nullopt : std::optional<TensorView>(out(name, h));
+  }
+
+ private:
+  std::vector<InArray> ins_;
+  std::vector<OutArray> outs_;
+};
+
 /// A float64 NumPy array owning `data` (moved), of the given shape.
 nb::object numpy_f64(std::vector<double>&& data, std::vector<std::int64_t> shape);
 /// A uint8 NumPy array owning `data` (moved).

@@ -54,17 +54,19 @@ TensorView as_bhsd(const TensorView& t, bool bshd) { return bshd && t.rank() == 
 void bind_ops(nb::module_& m) {
   m.def(
       "_attention",
-      [](const InArray& q, const InArray& k, const InArray& v, const OutArray& out,
-         const std::optional<OutArray>& lse, const std::optional<OutArray>& probs, bool bshd,
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle probs, bool bshd,
          std::optional<double> scale, double softcap, bool causal, const std::string& align,
-         std::int64_t window_left, std::int64_t window_right, const std::optional<InArray>& mask,
-         const std::optional<InArray>& kv_lens, const std::string& kernel, int num_threads) {
-        const AttentionParams p = params_from(scale, softcap, causal, align, window_left, window_right, mask,
-                                              kv_lens, kernel, num_threads);
-        const TensorView qv = as_bhsd(view_of("q", q), bshd), kv = as_bhsd(view_of("k", k), bshd),
-                         vv = as_bhsd(view_of("v", v), bshd), ov = as_bhsd(view_of("out", out), bshd);
-        const auto lv = view_of("softmax_lse", lse);
-        const auto pv = view_of("probs", probs);
+         std::int64_t window_left, std::int64_t window_right, nb::handle mask, nb::handle kv_lens,
+         const std::string& kernel, int num_threads) {
+        CallArrays a;
+        AttentionParams p = params_from(scale, softcap, causal, align, window_left, window_right, std::nullopt,
+                                        std::nullopt, kernel, num_threads);
+        p.mask = a.in_opt("mask", mask);
+        p.kv_lens = a.in_opt("kv_lens", kv_lens);
+        const TensorView qv = as_bhsd(a.in("q", q), bshd), kv = as_bhsd(a.in("k", k), bshd),
+                         vv = as_bhsd(a.in("v", v), bshd), ov = as_bhsd(a.out("out", out), bshd);
+        const auto lv = a.out_opt("softmax_lse", lse);
+        const auto pv = a.out_opt("probs", probs);
         nb::gil_scoped_release release;
         attention(qv, kv, vv, ov, p, lv, pv);
       },
@@ -76,19 +78,21 @@ void bind_ops(nb::module_& m) {
 
   m.def(
       "_attention_backward",
-      [](const InArray& q, const InArray& k, const InArray& v, const InArray& out, const InArray& lse,
-         const InArray& grad_out, const OutArray& grad_q, const OutArray& grad_k, const OutArray& grad_v,
-         bool bshd, std::optional<double> scale, double softcap, bool causal, const std::string& align,
-         std::int64_t window_left, std::int64_t window_right, const std::optional<InArray>& mask,
-         const std::optional<InArray>& kv_lens, const std::string& kernel, int num_threads) {
-        const AttentionParams p = params_from(scale, softcap, causal, align, window_left, window_right, mask,
-                                              kv_lens, kernel, num_threads);
-        const TensorView qv = as_bhsd(view_of("q", q), bshd), kv = as_bhsd(view_of("k", k), bshd),
-                         vv = as_bhsd(view_of("v", v), bshd), ov = as_bhsd(view_of("out", out), bshd),
-                         lv = view_of("softmax_lse", lse), dov = as_bhsd(view_of("grad_out", grad_out), bshd),
-                         dqv = as_bhsd(view_of("grad_q", grad_q), bshd),
-                         dkv = as_bhsd(view_of("grad_k", grad_k), bshd),
-                         dvv = as_bhsd(view_of("grad_v", grad_v), bshd);
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle grad_out,
+         nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, bool bshd, std::optional<double> scale,
+         double softcap, bool causal, const std::string& align, std::int64_t window_left,
+         std::int64_t window_right, nb::handle mask, nb::handle kv_lens, const std::string& kernel,
+         int num_threads) {
+        CallArrays a;
+        AttentionParams p = params_from(scale, softcap, causal, align, window_left, window_right, std::nullopt,
+                                        std::nullopt, kernel, num_threads);
+        p.mask = a.in_opt("mask", mask);
+        p.kv_lens = a.in_opt("kv_lens", kv_lens);
+        const TensorView qv = as_bhsd(a.in("q", q), bshd), kv = as_bhsd(a.in("k", k), bshd),
+                         vv = as_bhsd(a.in("v", v), bshd), ov = as_bhsd(a.in("out", out), bshd),
+                         lv = a.in("softmax_lse", lse), dov = as_bhsd(a.in("grad_out", grad_out), bshd),
+                         dqv = as_bhsd(a.out("grad_q", grad_q), bshd), dkv = as_bhsd(a.out("grad_k", grad_k), bshd),
+                         dvv = as_bhsd(a.out("grad_v", grad_v), bshd);
         nb::gil_scoped_release release;
         attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, p);
       },
@@ -100,8 +104,9 @@ void bind_ops(nb::module_& m) {
 
   // What the C++ side sees of an array: its address, shape, strides (elements) and dtype. The
   // zero-copy tests compare the address with the caller's.
-  m.def("_view_info", [](const InArray& a) {
-    const TensorView t = view_of("array", a);
+  m.def("_view_info", [](nb::handle h) {
+    CallArrays a;
+    const TensorView t = a.in("array", h);
     return nb::make_tuple(reinterpret_cast<std::uintptr_t>(t.data()), t.shape(), t.strides(),
                           std::string(dtype_name(t.dtype())));
   });
