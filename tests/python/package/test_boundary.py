@@ -20,6 +20,11 @@ def test_zero_copy_numpy_and_torch_strided_views():
     for view in (t[:, :, 1], t[:, :, 2].transpose(1, 2), t[:, 1:, 0]):
         ptr, shape, strides, dtype = _qkv._view_info(view)
         assert ptr == view.data_ptr() and list(view.stride()) == strides and dtype == "bfloat16"
+    # what qkv.attention hands over for a tensor: a descriptor of the same memory
+    from qkv import _ops
+    for view in (t[:, :, 1], t.float()[:, 2:, 0].transpose(1, 2)):
+        ptr, shape, strides, _ = _qkv._view_info(_ops._raw(view))
+        assert ptr == view.data_ptr() and strides == list(view.stride()) and shape == list(view.shape)
     # a leaf that requires grad is read in place too (detached, same storage)
     g = torch.randn(1, 2, 3, 8, requires_grad=True)
     assert _qkv._view_info(g.detach())[0] == g.data_ptr()
