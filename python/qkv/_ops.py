@@ -1,6 +1,7 @@
 """qkv.attention and qkv.attention_backward on NumPy arrays and PyTorch CPU tensors.
 
-Arrays reach the C++ library without a copy (DLPack, or the buffer protocol): any strides are
+Arrays reach the C++ library without a copy (NumPy arrays through DLPack or the buffer protocol,
+PyTorch tensors as descriptors of their memory, see _raw(), or through DLPack): any strides are
 accepted provided the last dimension is contiguous; anything else is refused with the C++
 message, never copied behind the caller's back. Outputs are allocated here, in the framework and
 dtype of q, and the C++ call runs with the GIL released.
@@ -83,7 +84,10 @@ def _empty(fw, like, shape, dtype=None):
     if not _NP_OF_TORCH:
         _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16})
     npdt = _NP_OF_TORCH.get(dt)
-    if npdt is not None:  # ten times cheaper than torch.empty(...) for a small output; the same memory
+    if npdt is not None and math.prod(shape) <= 4096:
+        # A small output through NumPy: several times cheaper than torch.empty(...) at the size of
+        # a decode step, where the allocation is most of a call. Large outputs (and everything that
+        # autograd keeps) are PyTorch's own.
         return torch.from_numpy(np.empty(shape, dtype=npdt))
     return torch.empty(shape, dtype=dt)
 
