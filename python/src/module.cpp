@@ -5,7 +5,6 @@
 #include <nanobind/stl/string.h>
 
 #include "bindings.hpp"
-#include "qkv/info.hpp"
 #include "qkv/version.hpp"
 
 NB_MODULE(_qkv, m) {
