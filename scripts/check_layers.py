@@ -3,7 +3,7 @@
 
 The floors, lowest first (a folder may include its own floor's and lower floors' headers):
     tensor -> core -> platform -> reference | kernels -> dispatch -> api
-           -> io | layers -> models -> explain -> cli | bench
+           -> io | layers -> models -> explain -> cli | bench | python
 Folders on one floor may include each other's headers only one way (no cycle). A public header
 include/qkv/X.hpp belongs to the floor that docs/architecture.md's header table gives it, so
 including it counts as including that floor; the table must list every public header and only
@@ -16,14 +16,14 @@ import re
 import sys
 
 FLOORS = [["tensor"], ["core"], ["platform"], ["reference", "kernels"], ["dispatch"], ["api"],
-          ["io", "layers"], ["models"], ["explain"], ["cli", "bench"]]
+          ["io", "layers"], ["models"], ["explain"], ["cli", "bench", "python"]]
 LEVEL = {folder: n for n, floor in enumerate(FLOORS) for folder in floor}
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 TABLE_ROW = re.compile(r"^\|\s*`qkv/(\w+\.hpp)`\s*\|\s*(\w+)\s*\|\s*(.*?)\s*\|\s*$", re.M)
 
 
 def folder_of(root, path):
-    """The floor folder of a source file: src/<folder>/..., cli/..., bench/..."""
+    """The floor folder of a source file: src/<folder>/..., cli/..., bench/..., python/..."""
     rel = path.relative_to(root).parts
     if rel[0] == "src":
         return rel[1]
@@ -57,7 +57,7 @@ def main():
         return first, LEVEL.get(first)
 
     edges = set()
-    files = [p for d in ("src", "cli", "bench") for p in (root / d).rglob("*") if p.suffix in (".hpp", ".cpp", ".h")]
+    files = [p for d in ("src", "cli", "bench", "python") for p in (root / d).rglob("*") if p.suffix in (".hpp", ".cpp", ".h")]
     for path in sorted(files):
         me = folder_of(root, path)
         if me not in LEVEL:

@@ -1,5 +1,6 @@
 #!/usr/bin/python3
-"""Lists every error qkv's library (src/) and command line (cli/) can raise.
+"""Lists every error qkv's library (src/), command line (cli/) and
+Python binding (python/src/) can raise.
 
 Each throw site (`throw Error(...)`, a reader's `fail(name, ...)`, `throw std::...(...)`) gives one
 row: the source file and line, the condition that raises it (the guarding `if`, as code), and the
@@ -58,7 +59,7 @@ def condition(lines, lineno, col):
 
 def sites():
     rows = []
-    for top in ("src", "cli"):
+    for top in ("src", "cli", "python/src"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in sorted(files):
                 if not f.endswith((".cpp", ".hpp")):

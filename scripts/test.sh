@@ -3,7 +3,9 @@
 #   1. Release build (build/) and every test with CTest;
 #   2. AddressSanitizer + UndefinedBehaviorSanitizer build (build-asan/, gcc, -O1) and every unit
 #      and Python test in it (the Python tests run the instrumented qkv binary as a subprocess, so
-#      they need no LD_PRELOAD; only the package tests, which build consumer projects, are left out);
+#      they need no LD_PRELOAD; only the package tests, which build consumer projects, are left out;
+#      the Python package and its pytest suites are not built in sanitizer builds, whose extension
+#      could not be imported into an uninstrumented python3);
 #   3. ThreadSanitizer build (build-tsan/, clang + libomp) of the thread tests (CTest label
 #      "threads"), with LLVM's Archer tool so that OpenMP's own synchronisation is understood;
 #   4. each libFuzzer target (build-fuzz/, scripts/fuzz.sh) for QKV_FUZZ_SECONDS (default 30) s.

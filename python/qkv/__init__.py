@@ -1,0 +1,30 @@
+"""qkv: exact, fast scaled dot-product attention on the CPU, from NumPy and PyTorch.
+
+    import numpy as np, qkv
+    q = k = v = np.random.rand(1, 8, 128, 64).astype(np.float32)   # [B, H, S, D]
+    out = qkv.attention(q, k, v, causal=True)
+
+Functions on arrays (NumPy arrays or PyTorch CPU tensors, zero-copy):
+    attention, attention_backward, explain_dispatch, explain
+Layers: MultiHeadAttention (loads a torch.nn.MultiheadAttention state_dict), KVCache
+PyTorch (imported on first use): qkv.torch.scaled_dot_product_attention, qkv.flash_attn_func,
+    the custom operators torch.ops.qkv.attention and torch.ops.qkv.attention_backward.
+Benchmark: python -m qkv.bench.  Documentation: docs/python.md.
+"""
+from . import _qkv
+from ._explain import explain
+from ._layers import KVCache, MultiHeadAttention
+from ._ops import attention, attention_backward, explain_dispatch
+
+__version__ = _qkv.__version__
+__all__ = ["attention", "attention_backward", "explain_dispatch", "explain", "KVCache", "MultiHeadAttention",
+           "flash_attn_func", "torch"]
+
+
+def __getattr__(name):
+    # PyTorch is imported only when its integration is asked for (importing it takes seconds).
+    if name in ("torch", "flash_attn_func"):
+        import importlib
+        mod = importlib.import_module(".torch", __name__)
+        return mod if name == "torch" else mod.flash_attn_func
+    raise AttributeError(f"module 'qkv' has no attribute {name!r}")

@@ -1,0 +1,319 @@
+"""qkv.attention and qkv.attention_backward on NumPy arrays and PyTorch CPU tensors.
+
+Arrays reach the C++ library without a copy (NumPy arrays through DLPack or the buffer protocol,
+PyTorch tensors as descriptors of their memory, see _raw(), or through DLPack): any strides are
+accepted provided the last dimension is contiguous; anything else is refused with the C++
+message, never copied behind the caller's back. Outputs are allocated here, in the framework and
+dtype of q, and the C++ call runs with the GIL released.
+"""
+import math
+import sys
+
+import numpy as np
+
+from . import _qkv
+
+_NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
+_KERNELS = ("auto", "reference", "flash", "decode")
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def _framework(name, x):
+    """'numpy' or 'torch'; TypeError for anything else, ValueError for a tensor not on the CPU."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        if not x.is_cpu:
+            raise ValueError(f"{name}: expected a tensor in CPU memory, got one on device '{x.device}' "
+                             "(qkv computes on the CPU; move it with .cpu() explicitly)")
+        return "torch"
+    raise TypeError(f"{name}: expected a numpy.ndarray or a torch.Tensor, got {type(x).__module__}."
+                    f"{type(x).__name__}")
+
+
+def _check_float(name, x, fw):
+    if fw == "numpy":
+        if x.dtype not in _NUMPY_DTYPES:
+            raise TypeError(f"{name}: expected dtype float32, float64 or float16, got {x.dtype}")
+    else:
+        torch = _torch()
+        if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            raise TypeError(f"{name}: expected dtype float32, float64, float16 or bfloat16, got {x.dtype}")
+
+
+def _check_rank4(name, x, letters):
+    if x.ndim != 4:
+        raise ValueError(f"{name}: expected rank 4 {letters}, got rank {x.ndim} {list(x.shape)}")
+
+
+def _same(name, x, fw, q):
+    """x must be of q's framework and dtype (no silent conversion)."""
+    xfw = _framework(name, x)
+    if xfw != fw:
+        raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q, "
+                        f"got a {'numpy.ndarray' if xfw == 'numpy' else 'torch.Tensor'}")
+    if x.dtype != q.dtype:
+        raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {x.dtype}")
+
+
+def _aux(name, x, fw):
+    """A mask or key-length array: same framework as q, any dtype the C++ API accepts."""
+    if x is None:
+        return None
+    xfw = _framework(name, x)
+    if xfw != fw:
+        raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
+    if fw == "torch" and x.requires_grad:
+        x = x.detach()
+    return x
+
+
+_NP_OF_TORCH = {}
+
+
+def _empty(fw, like, shape, dtype=None):
+    """A new output in the framework of `like`, of `like`'s dtype or `dtype`."""
+    if fw == "numpy":
+        return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
+    torch = _torch()
+    dt = like.dtype if dtype is None else dtype
+    if not _NP_OF_TORCH:
+        _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16})
+    npdt = _NP_OF_TORCH.get(dt)
+    if npdt is not None and math.prod(shape) <= 4096:
+        # A small output through NumPy: several times cheaper than torch.empty(...) at the size of
+        # a decode step, where the allocation is most of a call. Large outputs (and everything that
+        # autograd keeps) are PyTorch's own.
+        return torch.from_numpy(np.empty(shape, dtype=npdt))
+    return torch.empty(shape, dtype=dt)
+
+
+def _lse_dtype(fw, q):
+    if fw == "numpy":
+        return np.float64 if q.dtype == np.float64 else np.float32
+    torch = _torch()
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _layout(layout):
+    if layout not in ("bhsd", "bshd"):
+        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
+    return layout == "bshd"
+
+
+def _window(window):
+    try:
+        left, right = window
+        return int(left), int(right)
+    except (TypeError, ValueError):
+        raise ValueError(f"window: expected a pair (left, right), got {window!r}") from None
+
+
+def _dims(q, k, v, bshd):
+    """(B, Hq, Sq, Sk, Dv) read from the arrays in their layout."""
+    if bshd:
+        return q.shape[0], q.shape[2], q.shape[1], k.shape[1], v.shape[3]
+    return q.shape[0], q.shape[1], q.shape[2], k.shape[2], v.shape[3]
+
+
+def _detach(x):
+    return x.detach() if x.requires_grad else x
+
+
+_CODE_OF_TORCH = {}
+
+
+def _raw(x):
+    """What the extension reads of a PyTorch tensor, without a copy: a descriptor (data_ptr, shape,
+    strides, dtype code) of a strided CPU tensor (the cheapest form: a quarter of a microsecond),
+    else the detached tensor itself, taken through DLPack, which reports what it cannot read (a
+    CUDA or meta tensor, an unsupported dtype). The caller holds x for the whole call."""
+    if x is None:
+        return None
+    torch = _torch()
+    if not _CODE_OF_TORCH:  # qkv::DType's order
+        _CODE_OF_TORCH.update({torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
+                               torch.bool: 4, torch.int32: 5, torch.int64: 6})
+    code = _CODE_OF_TORCH.get(x.dtype)
+    if code is None or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
+        return x.detach()
+    return (x.data_ptr(), x.shape, x.stride(), code)
+
+
+def _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_lens, kernel, threads,
+             want_lse, want_probs):
+    """Runs the C++ forward on checked inputs; returns (out, lse or None, probs or None)."""
+    B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
+    out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
+    lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q)) if want_lse else None
+    probs = _empty(fw, q, (B, Hq, Sq, Sk), _lse_dtype(fw, q)) if want_probs else None
+    if fw == "torch":
+        _qkv._attention(_raw(q), _raw(k), _raw(v), _raw(out), _raw(lse), _raw(probs), bshd, scale, softcap, causal,
+                        align, wl, wr, _raw(mask), _raw(kv_lens), kernel, threads)
+    else:
+        _qkv._attention(q, k, v, out, lse, probs, bshd, scale, softcap, causal, align, wl, wr, mask, kv_lens,
+                        kernel, threads)
+    return out, lse, probs
+
+
+def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(-1, -1), softcap=0.0,
+              mask=None, kv_lens=None, layout="bhsd", return_lse=False, return_probs=False, kernel="auto",
+              num_threads=None):
+    """Scaled dot-product attention, O = softmax(mask(softcap(scale * Q K^T))) V, per head.
+
+    Source: Vaswani et al. 2017, "Attention Is All You Need", sec. 3.2.1; the tiled kernel is
+    FlashAttention-2's (Dao 2023, Alg. 1). Semantics of every option: docs/semantics.md.
+
+    Args (arrays: numpy.ndarray or torch.Tensor on the CPU, all of one framework):
+      q: [B, Hq, Sq, D] (layout "bhsd") or [B, Sq, Hq, D] ("bshd"); float32, float64, float16,
+        or bfloat16 (PyTorch). Any strides with a contiguous last dimension: never copied.
+      k: [B, Hkv, Sk, D] / [B, Sk, Hkv, D], Hq % Hkv == 0 (GQA/MQA); q's dtype.
+      v: [B, Hkv, Sk, Dv] / [B, Sk, Hkv, Dv]; q's dtype.
+      scale: multiplies q.k; default 1/sqrt(D).
+      causal: mask keys after the diagonal (shorthand for window (-1, 0)).
+      align: "bottom-right" (default; FlashAttention >= 2.1, KV-cache decoding: the last query
+        sees the last key) or "top-left" (PyTorch is_causal) when Sq != Sk.
+      window: (left, right) sliding window around the diagonal; -1 = unbounded.
+      softcap: if > 0, score = softcap * tanh(score / softcap) (Gemma 2).
+      mask: broadcastable to [B, Hq, Sq, Sk]: bool (True = attend) or float32/float64 (added).
+      kv_lens: int32/int64 [B]: keys j >= kv_lens[b] are excluded.
+      layout: "bhsd" or "bshd" (of q, k, v and out).
+      return_lse: also return softmax_lse [B, Hq, Sq] (natural log; float32, float64 for float64 q).
+      return_probs: also return the attention weights [B, Hq, Sq, Sk] (float32/float64).
+      kernel: "auto", "reference" (the float64 specification), "flash" or "decode".
+      num_threads: threads inside the call (default: OpenMP's). Results never depend on it.
+
+    Returns:
+      out [B, Hq, Sq, Dv] (or [B, Sq, Hq, Dv]) in q's framework and dtype; with return_lse and/or
+      return_probs a tuple (out, softmax_lse, probs) holding those asked for. PyTorch tensors that
+      require grad (or a call inside torch.compile) go through the custom operator qkv::attention,
+      which is differentiable.
+
+    Raises:
+      TypeError: an argument that is not a NumPy array or PyTorch tensor, arrays of different
+        frameworks or dtypes, an unsupported dtype.
+      ValueError: with the C++ message (argument, expected, actual): a tensor not on the CPU, a
+        rank other than 4, a non-contiguous last dimension, mismatched shapes, a bad mask or
+        kv_lens shape, a bad option value.
+    """
+    # The common case is checked with a few comparisons (a call costs microseconds); the helpers
+    # run, and raise with the full message, only when something differs.
+    if type(q) is np.ndarray:
+        fw = "numpy"
+        if q.dtype not in _NUMPY_DTYPES:
+            _check_float("q", q, fw)
+    else:
+        fw = _framework("q", q)
+        _check_float("q", q, fw)
+    if type(k) is not type(q) or k.dtype != q.dtype:
+        _same("k", k, fw, q)
+    if type(v) is not type(q) or v.dtype != q.dtype:
+        _same("v", v, fw, q)
+    bshd = False if layout == "bhsd" else _layout(layout)
+    wl, wr = (-1, -1) if window == (-1, -1) else _window(window)
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
+    if mask is not None:
+        mask = _aux("mask", mask, fw)
+    if kv_lens is not None:
+        kv_lens = _aux("kv_lens", kv_lens, fw)
+    threads = 0 if num_threads is None else int(num_threads)
+    if kernel != "auto" and kernel not in _KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(_KERNELS)}, got {kernel!r}")
+    if fw == "torch":
+        torch = _torch()
+        if ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()) or \
+                torch.compiler.is_compiling():
+            if return_probs:
+                raise ValueError("return_probs: the attention weights are not differentiable; "
+                                 "call with return_probs=True under torch.no_grad()")
+            from . import torch as qtorch
+            out, lse = qtorch._attention_op(q, k, v, mask, kv_lens,
+                                            float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
+                                            bool(causal), _align(align), wl, wr, float(softcap), bshd, kernel,
+                                            threads)
+            return (out, lse) if return_lse else out
+    out, lse, probs = _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_lens,
+                               kernel, threads, return_lse, return_probs)
+    if not (return_lse or return_probs):
+        return out
+    return (out,) + ((lse,) if return_lse else ()) + ((probs,) if return_probs else ())
+
+
+def _align(align):
+    if align in ("top-left", "top_left"):
+        return True
+    if align in ("bottom-right", "bottom_right"):
+        return False
+    raise ValueError(f"align: expected 'bottom-right' or 'top-left', got {align!r}")
+
+
+def attention_backward(q, k, v, out, softmax_lse, grad_out, *, scale=None, causal=False, align="bottom-right",
+                       window=(-1, -1), softcap=0.0, mask=None, kv_lens=None, layout="bhsd", grad_dtype=None,
+                       kernel="auto", num_threads=None):
+    """The gradients (dq, dk, dv) of a loss L given grad_out = dL/dout (FlashAttention-2 backward).
+
+    Source: Dao 2023, "FlashAttention-2", Algorithm 2, with P recomputed from softmax_lse:
+    dV = P^T dO; dP = dO V^T; D = rowsum(dO * O); dS = P * (dP - D) (softcap: times
+    1 - tanh^2); dQ = scale dS K; dK = scale dS^T Q; GQA sums dK, dV over each group.
+
+    Args: q, k, v and every option as attention() (the same values as the forward call);
+      out: the forward's output (layout of q); softmax_lse: its [B, Hq, Sq] softmax_lse
+      (float32 or float64); grad_out: dL/dout, out's shape, any float dtype of the framework;
+      grad_dtype: dtype of the gradients: None (q's), or float32/float64 of q's framework.
+
+    Returns: (dq, dk, dv) with the shapes and layout of q, k, v, in q's framework. Deterministic:
+      bitwise the same for every num_threads and run.
+
+    Raises: TypeError / ValueError as attention(), and ValueError for out, softmax_lse or
+      grad_out of the wrong shape, kernel="decode", or kernel="flash" with float64 inputs.
+    """
+    fw = _framework("q", q)
+    _check_float("q", q, fw)
+    _same("k", k, fw, q)
+    _same("v", v, fw, q)
+    bshd = _layout(layout)
+    wl, wr = _window(window)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
+    for name, x in (("out", out), ("softmax_lse", softmax_lse), ("grad_out", grad_out)):
+        if _framework(name, x) != fw:
+            raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
+    mask = _aux("mask", mask, fw)
+    kv_lens = _aux("kv_lens", kv_lens, fw)
+    if kernel not in _KERNELS:
+        raise ValueError(f"kernel: expected one of {', '.join(_KERNELS)}, got {kernel!r}")
+    gd = grad_dtype if grad_dtype is not None else q.dtype
+    dq, dk, dv = _empty(fw, q, q.shape, gd), _empty(fw, q, k.shape, gd), _empty(fw, q, v.shape, gd)
+    if fw == "torch":
+        q, k, v, out, softmax_lse, grad_out, dq_, dk_, dv_, mask, kv_lens = (
+            _raw(x) for x in (q, k, v, out, softmax_lse, grad_out, dq, dk, dv, mask, kv_lens))
+    else:
+        dq_, dk_, dv_ = dq, dk, dv
+    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq_, dk_, dv_, bshd, scale, softcap, causal,
+                             align, wl, wr, mask, kv_lens, kernel, 0 if num_threads is None else int(num_threads))
+    return dq, dk, dv
+
+
+def explain_dispatch(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(-1, -1), softcap=0.0,
+                     mask=None, kv_lens=None, layout="bhsd", kernel="auto", num_threads=None):
+    """Which kernel attention() runs for these arguments and why the others refuse (one line each)."""
+    fw = _framework("q", q)
+    _same("k", k, fw, q)
+    _same("v", v, fw, q)
+    bshd = _layout(layout)
+    wl, wr = _window(window)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
+    B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
+    out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
+    if fw == "torch":
+        q, k, v = _detach(q), _detach(k), _detach(v)
+    return _qkv._explain_dispatch(q, k, v, out, bshd, scale, softcap, causal, align, wl, wr,
+                                  _aux("mask", mask, fw), _aux("kv_lens", kv_lens, fw), kernel,
+                                  0 if num_threads is None else int(num_threads))

@@ -1,0 +1,59 @@
+#pragma once
+// Arrays from Python (NumPy, PyTorch, anything speaking DLPack or the buffer protocol) seen as
+// qkv::TensorView without a copy, and float64 results handed back as NumPy arrays.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "qkv/tensor.hpp"
+
+namespace qkv::python {
+
+namespace nb = nanobind;
+
+/// An input: read only, any framework, any device (the device is checked with a clear message).
+using InArray = nb::ndarray<nb::ro>;
+/// An output: written in place.
+using OutArray = nb::ndarray<>;
+
+/// The view of an array: its data pointer, dtype, shape and strides (in elements), no copy.
+/// @throws nb::type_error for a dtype qkv has no name for; qkv::Error (ValueError) for an array
+///         that is not in CPU memory.
+TensorView view_of(const char* name, const InArray& a);
+TensorView view_of(const char* name, const OutArray& a);
+std::optional<TensorView> view_of(const char* name, const std::optional<InArray>& a);
+std::optional<TensorView> view_of(const char* name, const std::optional<OutArray>& a);
+
+/// The arguments of one call, each given as an array object (DLPack or the buffer protocol; kept
+/// alive here until the call ends) or, from the package's own Python code for PyTorch tensors, as
+/// a descriptor tuple (data_ptr, shape, strides in elements, qkv::DType code) of a strided CPU
+/// tensor that the caller holds for the duration of the call: the cheapest way to read a tensor
+/// without a copy (python/qkv/_ops.py, _raw()).
+class CallArrays {
+ public:
+  TensorView in(const char* name, nb::handle h);
+  TensorView out(const char* name, nb::handle h);
+  std::optional<TensorView> in_opt(const char* name, nb::handle h) {
+    return h.is_none() ? std::nullopt : std::optional<TensorView>(in(name, h));
+  }
+  std::optional<TensorView> out_opt(const char* name, nb::handle h) {
+    return h.is_none() ? std::nullopt : std::optional<TensorView>(out(name, h));
+  }
+
+ private:
+  std::vector<InArray> ins_;
+  std::vector<OutArray> outs_;
+};
+
+/// A float64 NumPy array owning `data` (moved), of the given shape.
+nb::object numpy_f64(std::vector<double>&& data, std::vector<std::int64_t> shape);
+/// A uint8 NumPy array owning `data` (moved).
+nb::object numpy_u8(std::vector<std::uint8_t>&& data, std::vector<std::int64_t> shape);
+/// A NumPy array of `dtype` copied from a C-contiguous tensor.
+nb::object numpy_copy(const Tensor& t);
+
+}  // namespace qkv::python

@@ -1,0 +1,143 @@
+"""The Python boundary: zero-copy views, outputs in the caller's framework and dtype, the GIL
+released during the kernels, and clear errors for bad input (never a crash, never a silent copy)."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import qkv
+from qkv import _qkv
+
+
+def test_zero_copy_numpy_and_torch_strided_views():
+    buf = np.random.rand(2, 9, 3, 4, 16).astype(np.float32)  # packed [B, S, 3, H, D]
+    q = buf[:, :, 0]                                        # BSHD view, strides not C-contiguous
+    ptr, shape, strides, dtype = _qkv._view_info(q)
+    assert ptr == q.ctypes.data and shape == [2, 9, 4, 16] and strides == [9 * 3 * 4 * 16, 3 * 4 * 16, 16, 1]
+    t = torch.randn(2, 9, 3, 4, 16, dtype=torch.bfloat16)
+    for view in (t[:, :, 1], t[:, :, 2].transpose(1, 2), t[:, 1:, 0]):
+        ptr, shape, strides, dtype = _qkv._view_info(view)
+        assert ptr == view.data_ptr() and list(view.stride()) == strides and dtype == "bfloat16"
+    # what qkv.attention hands over for a tensor: a descriptor of the same memory
+    from qkv import _ops
+    for view in (t[:, :, 1], t.float()[:, 2:, 0].transpose(1, 2)):
+        ptr, shape, strides, _ = _qkv._view_info(_ops._raw(view))
+        assert ptr == view.data_ptr() and strides == list(view.stride()) and shape == list(view.shape)
+    # a leaf that requires grad is read in place too (detached, same storage)
+    g = torch.randn(1, 2, 3, 8, requires_grad=True)
+    assert _qkv._view_info(g.detach())[0] == g.data_ptr()
+
+
+def test_strided_views_give_the_contiguous_result():
+    t = torch.randn(2, 9, 3, 4, 16)
+    q, k, v = t.unbind(2)  # BSHD views into one packed buffer
+    out = qkv.attention(q, k, v, layout="bshd", causal=True)
+    ref = qkv.attention(*(x.contiguous() for x in (q, k, v)), layout="bshd", causal=True)
+    assert torch.equal(out, ref) and out.shape == (2, 9, 4, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_outputs_in_callers_framework_and_dtype(dtype):
+    q = torch.randn(1, 2, 5, 8, dtype=dtype)
+    out, lse = qkv.attention(q, q, q, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == (1, 2, 5, 8)
+    assert lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    n = np.random.rand(1, 2, 5, 8).astype(np.float64)
+    assert isinstance(qkv.attention(n, n, n), np.ndarray) and qkv.attention(n, n, n).dtype == np.float64
+
+
+def test_gil_released_two_threads_overlap():
+    """Two Python threads each run a long single-threaded call; the calls overlap in time, which
+    only happens when each releases the GIL (a call holding it would run strictly after the other).
+    Judged from intervals, not speed, so a busy machine cannot make it fail."""
+    q = np.random.rand(1, 4, 1024, 64).astype(np.float32)
+    qkv.attention(q, q, q, num_threads=1)  # warm up
+    spans = [None, None]
+    barrier = threading.Barrier(2)
+
+    def worker(i):
+        barrier.wait()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            qkv.attention(q, q, q, num_threads=1)
+        spans[i] = (t0, time.perf_counter())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (a0, a1), (b0, b1) = spans
+    overlap = min(a1, b1) - max(a0, b0)
+    shortest = min(a1 - a0, b1 - b0)
+    assert overlap > 0.5 * shortest, f"calls did not overlap: spans {spans}"
+
+
+def test_gil_released_main_thread_runs_during_a_call():
+    q = np.random.rand(1, 4, 1024, 64).astype(np.float32)
+    span = []
+
+    def worker():
+        t0 = time.perf_counter()
+        for _ in range(3):
+            qkv.attention(q, q, q, num_threads=1)
+        span.extend([t0, time.perf_counter()])
+
+    t = threading.Thread(target=worker)
+    stamps = []
+    t.start()
+    while t.is_alive():
+        stamps.append(time.perf_counter())
+    t.join()
+    inside = sum(span[0] < s < span[1] for s in stamps)
+    assert inside > 1000, f"the main thread ran only {inside} times during the calls"
+
+
+def bad(exc, match, *args, **kw):
+    with pytest.raises(exc, match=match):
+        qkv.attention(*args, **kw)
+
+
+def test_bad_inputs():
+    q = torch.randn(1, 2, 4, 8)
+    bad(ValueError, "CPU", torch.randn(1, 2, 4, 8, device="meta"), q, q)
+    bad(ValueError, "rank 4", torch.randn(2, 4, 8), q, q)
+    bad(TypeError, "dtype", q, q.double(), q)
+    bad(TypeError, "dtype", q.int(), q, q)
+    bad(TypeError, "numpy.ndarray or a torch.Tensor", [[1.0]], q, q)
+    bad(TypeError, "like q", q, q.numpy(), q)
+    bad(ValueError, "contiguous last dimension", torch.randn(1, 2, 4, 16)[..., ::2], q, q)
+    bad(ValueError, "mask", q, q, q, mask=torch.ones(3, 5, dtype=torch.bool))
+    bad(ValueError, "kv_lens", q, q, q, kv_lens=torch.tensor([9]))
+    bad(ValueError, "k", q, torch.randn(1, 2, 4, 7), q)
+    bad(ValueError, "k", q, torch.randn(1, 3, 4, 8), torch.randn(1, 3, 4, 8))
+    bad(ValueError, "align", q, q, q, align="middle")
+    bad(ValueError, "window", q, q, q, window=(-3, 1))
+    bad(ValueError, "softcap", q, q, q, softcap=-1.0)
+    bad(ValueError, "scale", q, q, q, scale=float("nan"))
+    bad(ValueError, "layout", q, q, q, layout="sbhd")
+    bad(ValueError, "kernel", q, q, q, kernel="fast")
+    n = np.random.rand(1, 2, 4, 8).astype(np.float32)
+    bad(ValueError, "contiguous last dimension", np.asfortranarray(n), n, n)
+    bad(TypeError, "dtype", n.astype(np.int32), n, n)
+    with pytest.raises(ValueError, match="grad_out"):
+        o, lse = qkv.attention(q, q, q, return_lse=True)
+        qkv.attention_backward(q, q, q, o, lse, torch.randn(1, 2, 4, 9))
+
+
+def test_call_overhead_is_small():
+    """A 1-element problem costs microseconds from Python (budget generous for a shared machine)."""
+    q = np.random.rand(1, 1, 1, 8).astype(np.float32)
+    for _ in range(100):
+        qkv.attention(q, q, q)
+    best = min(_timed(lambda: qkv.attention(q, q, q), 200) for _ in range(5))
+    assert best < 100e-6, best
+
+
+def _timed(fn, n):
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n

@@ -1,0 +1,113 @@
+"""The PyTorch entry points: SDPA and flash_attn_func semantics, the custom operator under
+torch.compile(fullgraph=True), and a small model trained the same way compiled and eager."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import qkv
+import qkv.torch as qt
+from conftest import option_mask, reference
+
+
+def sdpa64(*args, **kw):
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(*(a.double() for a in args), **kw)
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"is_causal": True}, {"scale": 0.2}, {"attn_mask": "bool"}, {"attn_mask": "float"},
+    {"enable_gqa": True}, {"is_causal": True, "enable_gqa": True},
+])
+def test_sdpa_semantics(kw):
+    kw = dict(kw)
+    Hkv = 2 if kw.get("enable_gqa") else 4
+    q = torch.randn(2, 4, 12, 16)
+    k, v = torch.randn(2, Hkv, 20, 16), torch.randn(2, Hkv, 20, 8)
+    if kw.get("attn_mask") == "bool":
+        kw["attn_mask"] = torch.rand(12, 20) < 0.5
+        kw["attn_mask"][:, 0] = True
+    elif kw.get("attn_mask") == "float":
+        kw["attn_mask"] = torch.randn(1, 4, 12, 20)
+    ours = qt.scaled_dot_product_attention(q, k, v, **kw)
+    ref = sdpa64(q, k, v, **kw)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert (ours.double() - ref).abs().max() < 1e-5
+
+
+def test_sdpa_3d_and_errors():
+    q, k, v = torch.randn(3, 5, 8), torch.randn(3, 7, 8), torch.randn(3, 7, 8)
+    assert (qt.scaled_dot_product_attention(q, k, v).double() - sdpa64(q, k, v)).abs().max() < 1e-5
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        qt.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        qt.scaled_dot_product_attention(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
+
+
+def test_flash_attn_func_semantics():
+    B, Sq, Sk, Hq, Hkv, D = 2, 7, 19, 4, 2, 16
+    q, k, v = torch.randn(B, Sq, Hq, D), torch.randn(B, Sk, Hkv, D), torch.randn(B, Sk, Hkv, D)
+    out, lse, probs = qkv.flash_attn_func(q, k, v, causal=True, window_size=(5, -1), softcap=3.0,
+                                          return_attn_probs=True)
+    assert probs is None and out.shape == (B, Sq, Hq, D) and lse.shape == (B, Hq, Sq) and lse.dtype == torch.float32
+    add = option_mask(B, Hq, Sq, Sk, causal=True, window=(5, -1))  # bottom-right
+    qb, kb, vb = (x.transpose(1, 2).double() for x in (q, k, v))
+    ref = reference(qb, kb, vb, softcap=3.0, add=add).transpose(1, 2)
+    assert (out.double() - ref).abs().max() < 1e-5
+    rep = Hq // Hkv
+    s = qb @ kb.repeat_interleave(rep, 1).transpose(-1, -2) / math.sqrt(D)
+    s = 3.0 * torch.tanh(s / 3.0) + add
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max() < 1e-5
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        qkv.flash_attn_func(q, k, v, dropout_p=0.5)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        qkv.flash_attn_func(q, k, v, alibi_slopes=torch.ones(Hq))
+
+
+def test_custom_op_is_registered_and_fake_shapes():
+    torch.library.opcheck(torch.ops.qkv.attention.default,
+                          (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6), None, None,
+                           0.5, True, False, -1, -1, 0.0, False, "auto", 0))
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv_proj = torch.nn.Linear(d, 3 * d)
+        self.out = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        B, S, d = x.shape
+        q, k, v = self.qkv_proj(x).view(B, S, 3, self.heads, d // self.heads).unbind(2)  # BSHD views
+        o = qkv.flash_attn_func(q, k, v, causal=True)
+        return self.out(o.reshape(B, S, d))
+
+
+def train(model, steps, x, y):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_under_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    x, y = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    eager = TinyModel()
+    compiled = TinyModel()
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    cfn = torch.compile(compiled, fullgraph=True)
+    le = train(eager, 4, x, y)
+    lc = train(cfn, 4, x, y)
+    assert le[-1] < le[0]
+    for a, b in zip(le, lc):
+        assert abs(a - b) <= 1e-5 * max(1.0, abs(a)), (le, lc)
