@@ -72,6 +72,9 @@ struct RingOptions {
 struct RingStats {
   std::vector<std::int64_t> bytes_sent;   // bytes this rank sent during the step
   std::vector<double> busy_s;             // seconds computing tiles (and merging) in the step
+  std::vector<double> busy_cpu_s;         // the same as CPU time of the calling thread (the
+                                          // busy time when ranks share cores; OpenMP's other
+                                          // threads, if any, not counted)
   std::vector<double> wait_s;             // seconds blocked in MPI_Wait after the compute
   double total_s = 0;                     // wall time of the whole call
 };

@@ -1,5 +1,7 @@
 #include "dist/comm.hpp"
 
+#include <time.h>
+
 #include <chrono>
 #include <cstring>
 
@@ -65,6 +67,12 @@ double now() {
   MPI_Initialized(&init);
   if (init) return MPI_Wtime();
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+double thread_cpu() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 }  // namespace qkv::dist::detail

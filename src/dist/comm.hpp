@@ -25,5 +25,7 @@ void scatter(const TensorView& local, const std::vector<Segment>& segs, const Te
 
 /// Seconds since an arbitrary origin (MPI_Wtime when MPI is initialised, else steady_clock).
 double now();
+/// CPU seconds of the calling thread.
+double thread_cpu();
 
 }  // namespace qkv::dist::detail
