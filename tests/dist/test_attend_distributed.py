@@ -2,9 +2,8 @@
 """`mpirun -np P qkv attend --distributed ...` writes the same files as `qkv attend
 --simulate-ranks P ...` (the same schedule in one process), byte for byte, and values close to a
 plain `qkv attend`; with P = 1 and no causal, window, mask or key lengths the forward files equal
-plain `attend`'s (one
-block, whole tiles of rows: the same kernel calls row for row). Also --decode, --bench,
-and a bad input (one error line, exit status non-zero, no output file).
+plain `attend`'s (one block, whole tiles of rows: the same kernel calls row for row). Also
+--decode, --bench, and a bad input (one error line, exit status non-zero, no output file).
 
 Usage: test_attend_distributed.py <qkv binary> <mpirun>
 """
