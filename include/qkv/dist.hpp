@@ -76,6 +76,8 @@ struct RingStats {
                                           // busy time when ranks share cores; OpenMP's other
                                           // threads, if any, not counted)
   std::vector<double> wait_s;             // seconds blocked in MPI_Wait after the compute
+  std::vector<std::int64_t> pairs;        // (query, key, query head) pairs of the tiles computed
+                                          // in the step: the work, as the schedule sees it
   double total_s = 0;                     // wall time of the whole call
 };
 

@@ -180,7 +180,7 @@ void for_batches(const Global& g, i64 B, i64 g0, i64 nr, i64 h0, i64 nk, Fn&& fn
 }  // namespace
 
 void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& q_segs, const KVBlock& kv,
-                  i64 tile_rows, FwdAcc& acc, const std::function<void()>& between) {
+                  i64 tile_rows, FwdAcc& acc, const std::function<void()>& between, i64* pairs) {
   const i64 B = q.B, Hq = q.H, Dv = kv.v.X;
   i64 qrow = 0;
   for (const Segment& qs : q_segs) {
@@ -190,6 +190,7 @@ void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& 
       for (const Segment& ks : kv.segs) {
         for_batches(g, B, qs.start + r0, nr, ks.start, ks.length, [&](i64 b0, i64 nb, const Tile& t) {
           const i64 rows = t.i1 - t.i0, keys = t.j1 - t.j0;
+          if (pairs) *pairs += nb * Hq * rows * keys;
           Tensor o(DType::f32, {nb, Hq, rows, Dv}), l(DType::f32, {nb, Hq, rows});
           attention(q.rows(b0, nb, qrow + r0 + t.i0, rows), kv.k.rows(b0, nb, kcol + t.j0, keys),
                     kv.v.rows(b0, nb, kcol + t.j0, keys), o,
@@ -206,7 +207,7 @@ void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& 
 
 void backward_step(const Global& g, const Packed& q, const Packed& out, const Packed& lse, const Packed& dout,
                    const std::vector<Segment>& q_segs, const KVBlock& kv, i64 tile_rows, float* dq, float* dk,
-                   float* dv, const std::function<void()>& between) {
+                   float* dv, const std::function<void()>& between, i64* pairs) {
   const i64 B = q.B, Hq = q.H, D = q.X, Hkv = kv.k.H, Dv = kv.v.X, nq = q.n, nk = kv.k.n;
   i64 qrow = 0;
   for (const Segment& qs : q_segs) {
@@ -216,6 +217,7 @@ void backward_step(const Global& g, const Packed& q, const Packed& out, const Pa
       for (const Segment& ks : kv.segs) {
         for_batches(g, B, qs.start + r0, nr, ks.start, ks.length, [&](i64 b0, i64 nb, const Tile& t) {
           const i64 rows = t.i1 - t.i0, keys = t.j1 - t.j0, row0 = qrow + r0 + t.i0, key0 = kcol + t.j0;
+          if (pairs) *pairs += nb * Hq * rows * keys;
           Tensor tdq(DType::f32, {nb, Hq, rows, D}), tdk(DType::f32, {nb, Hkv, keys, D}),
               tdv(DType::f32, {nb, Hkv, keys, Dv});
           const TensorView lse_rows(static_cast<float*>(const_cast<void*>(lse.data)) + (b0 * Hq) * nq + row0,

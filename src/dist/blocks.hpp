@@ -47,15 +47,17 @@ struct FwdAcc {
 };
 
 /// One step of the forward: every tile of local queries (packed q, positions q_segs) against
-/// `kv`, merged into `acc`; `between` runs after every tile (progress polling).
+/// `kv`, merged into `acc`; `between` runs after every tile (progress polling); `pairs`, when
+/// given, is increased by the (query, key, head) pairs of the tiles computed.
 void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& q_segs, const KVBlock& kv,
-                  std::int64_t tile_rows, FwdAcc& acc, const std::function<void()>& between);
+                  std::int64_t tile_rows, FwdAcc& acc, const std::function<void()>& between,
+                  std::int64_t* pairs = nullptr);
 
 /// One step of the backward: adds dQ of local queries into dq (fp32 [B,Hq,n,D]) and the block's
 /// dK, dV into dk, dv (fp32 [B,Hkv,nk,D] / [..,Dv], zeroed by the caller).
 void backward_step(const Global& g, const Packed& q, const Packed& out, const Packed& lse, const Packed& dout,
                    const std::vector<Segment>& q_segs, const KVBlock& kv, std::int64_t tile_rows, float* dq,
-                   float* dk, float* dv, const std::function<void()>& between);
+                   float* dk, float* dv, const std::function<void()>& between, std::int64_t* pairs = nullptr);
 
 /// Writes the accumulators to out (its dtype, rounded once) and softmax_lse (float32 view).
 void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<TensorView>& lse);

@@ -186,10 +186,11 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
       int done = 0;
       if (options.progress == Progress::poll) MPI_Testall(2, req, &done, MPI_STATUSES_IGNORE);
     };
+    i64 pairs = 0;
     const double t0 = detail::now(), c0 = detail::thread_cpu();
     detail::forward_step(g, packed(qp), L.qsegs[static_cast<std::size_t>(r)],
                          kv_view(buf[t % 2].data(), q.dtype(), L.B, L.Hkv, L.D, L.Dv, L.ksegs[static_cast<std::size_t>(src)]),
-                         options.tile_rows, acc, poll);
+                         options.tile_rows, acc, poll, &pairs);
     const double t1 = detail::now(), c1 = detail::thread_cpu();
     MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
     const double t2 = detail::now();
@@ -197,6 +198,7 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
       stats->bytes_sent.push_back(sent);
       stats->busy_s.push_back(t1 - t0);
       stats->busy_cpu_s.push_back(c1 - c0);
+      stats->pairs.push_back(pairs);
       stats->wait_s.push_back(t2 - t1);
     }
   }
@@ -265,12 +267,13 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
       int done = 0;
       if (options.progress == Progress::poll) MPI_Testall(6, req, &done, MPI_STATUSES_IGNORE);
     };
+    i64 pairs = 0;
     const double t0 = detail::now(), c0 = detail::thread_cpu();
     const i64 nf = L.dkv_floats(src), nkd = L.B * L.Hkv * detail::total_length(L.ksegs[static_cast<std::size_t>(src)]) * L.D;
     std::fill(delta.begin(), delta.begin() + nf, 0.0f);
     detail::backward_step(g, packed(qp), packed(op), packed(lp), packed(dop), L.qsegs[static_cast<std::size_t>(r)],
                           kv_view(buf[t % 2].data(), q.dtype(), L.B, L.Hkv, L.D, L.Dv, L.ksegs[static_cast<std::size_t>(src)]),
-                          options.tile_rows, dq.data_as<float>(), delta.data(), delta.data() + nkd, poll);
+                          options.tile_rows, dq.data_as<float>(), delta.data(), delta.data() + nkd, poll, &pairs);
     const double c1 = detail::thread_cpu();
     double waited = 0;
     const double w0 = detail::now();
@@ -293,6 +296,7 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
       stats->bytes_sent.push_back(sent);
       stats->busy_s.push_back(t1 - t0 - waited);
       stats->busy_cpu_s.push_back(c1 - c0);
+      stats->pairs.push_back(pairs);
       stats->wait_s.push_back(t2 - t1 + waited);
     }
   }
