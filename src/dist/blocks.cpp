@@ -271,13 +271,17 @@ void check_local(const TensorView& q, const TensorView& k, const TensorView& v, 
     throw Error("k: expected this rank's " + std::to_string(sk_local) + " key rows (its shard of seqlen_k = " +
                 std::to_string(Sk) + "), got Sk = " + std::to_string(k.size(2)) + " in shape " + shape_str(k.shape()));
   // The remaining checks of attention() (dtypes, B/D/Hkv/Dv agreement, GQA, scale, softcap,
-  // window, threads), on the local operands with a scratch output; mask and key lengths are
-  // global and checked below against the global shape.
+  // window, threads), on the first row of the local operands (the number of rows is checked
+  // above) with a small scratch output; mask and key lengths are global and checked below
+  // against the global shape.
   AttentionParams p = params;
   p.mask.reset();
   p.kv_lens.reset();
-  Tensor scratch(DType::f32, {q.size(0), q.size(1), q.size(2), v.size(3)});
-  (void)qkv::detail::lower_attention(q, k, v, scratch, p, std::nullopt, std::nullopt);
+  auto first_row = [](const TensorView& t) {
+    return TensorView(t.data(), t.dtype(), {t.size(0), t.size(1), std::min<i64>(t.size(2), 1), t.size(3)}, t.strides());
+  };
+  Tensor scratch(DType::f32, {q.size(0), q.size(1), std::min<i64>(q.size(2), 1), v.size(3)});
+  (void)qkv::detail::lower_attention(first_row(q), first_row(k), first_row(v), scratch, p, std::nullopt, std::nullopt);
   const i64 B = q.size(0), Hq = q.size(1);
   if (params.mask) {
     const TensorView& m = *params.mask;
