@@ -222,6 +222,12 @@ int main(int argc, char** argv) {
     cases.push_back(zc);
     Case w; w.name = "window spanning ranks"; w.Sq = 53; w.Sk = 53; w.wl = 5; w.wr = 3; w.tile_rows = 8;
     cases.push_back(w);
+    Case ww; ww.name = "wide window across several ranks"; ww.Sq = 61; ww.Sk = 61; ww.wl = 30; ww.wr = 17;
+    ww.tile_rows = 16;
+    cases.push_back(ww);
+    Case tiny; tiny.name = "ranks holding no rows"; tiny.Sq = 3; tiny.Sk = 5; tiny.causal = true; tiny.Hq = 2;
+    tiny.Hkv = 2;
+    cases.push_back(tiny);
     Case wl = w; wl.name = "window right only, progress none"; wl.wl = -1; wl.wr = 2; wl.progress = Progress::none;
     cases.push_back(wl);
     Case cw; cw.name = "causal window softcap key lengths"; cw.B = 2; cw.Hq = 3; cw.Hkv = 1; cw.Sq = 31; cw.Sk = 43;
