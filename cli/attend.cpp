@@ -156,8 +156,9 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--simulate-ranks", o->simulate_ranks, "run the --distributed schedule of P ranks in this one process");
   cmd->add_option("--placement", o->placement, "positions per rank: auto (zigzag if causal), contiguous, zigzag")
       ->check(CLI::IsMember({"auto", "contiguous", "zigzag"}));
-  cmd->add_option("--progress", o->progress, "transfers progress during compute: poll (MPI_Test between tiles) or none")
-      ->check(CLI::IsMember({"poll", "none"}));
+  cmd->add_option("--progress", o->progress,
+                  "transfers progress during compute: poll (MPI_Test between tiles), thread (a second thread) or none")
+      ->check(CLI::IsMember({"poll", "thread", "none"}));
   cmd->add_option("--tile-rows", o->tile_rows, "query rows per tile of the distributed schedule");
   cmd->add_option("--bench", o->bench, "with --distributed: run N times and print timings (JSON, rank 0)");
   cmd->callback([o] { run_attend(*o); });

@@ -37,12 +37,12 @@ using i64 = std::int64_t;
 // MPI_Init for this command, MPI_Finalize when it ends (also on an error).
 struct MpiSession {
   bool mine = false;
-  MpiSession() {
+  explicit MpiSession(int level) {
     int init = 0;
     MPI_Initialized(&init);
     if (!init) {
       int provided = 0;
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+      MPI_Init_thread(nullptr, nullptr, level, &provided);
       mine = true;
     }
   }
@@ -102,7 +102,8 @@ dist::RingOptions ring_options(const AttendOptions& o) {
   dist::RingOptions r;
   r.placement = o.placement == "zigzag" ? dist::Placement::zigzag
                 : o.placement == "contiguous" ? dist::Placement::contiguous : dist::Placement::automatic;
-  r.progress = o.progress == "none" ? dist::Progress::none : dist::Progress::poll;
+  r.progress = o.progress == "none"     ? dist::Progress::none
+               : o.progress == "thread" ? dist::Progress::thread : dist::Progress::poll;
   r.tile_rows = o.tile_rows;
   return r;
 }
@@ -205,7 +206,8 @@ double median(std::vector<double> v) {
 }
 
 void run_mpi(const AttendOptions& o) {
-  MpiSession session;
+  // --progress thread calls MPI from a second thread.
+  MpiSession session(o.progress == "thread" ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED);
   const MPI_Comm comm = MPI_COMM_WORLD;
   int P = 1, rank = 0;
   MPI_Comm_size(comm, &P);

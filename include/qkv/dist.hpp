@@ -42,8 +42,10 @@ namespace qkv::dist {
 enum class Placement { automatic, contiguous, zigzag };
 
 /// How the nonblocking transfers of the next K/V block progress while this rank computes.
-/// none: only when MPI_Wait is called after the step's compute; poll: MPI_Testall between tiles.
-enum class Progress { none, poll };
+/// none: only when MPI_Wait is called after the step's compute; poll: MPI_Testall between tiles;
+/// thread: a second thread calls MPI_Testall (yielding between calls) until the transfers end
+/// (needs MPI_Init_thread with MPI_THREAD_MULTIPLE, and a core to run on).
+enum class Progress { none, poll, thread };
 
 /// A run of consecutive positions [start, start + length) of the global sequence.
 struct Segment {

@@ -69,6 +69,22 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+ProgressThread::ProgressThread(MPI_Request* req, int n, bool on) {
+  if (!on) return;
+  thread_ = std::thread([this, req, n] {
+    int done = 0;
+    while (!stop_.load(std::memory_order_relaxed) && !done) {
+      MPI_Testall(n, req, &done, MPI_STATUSES_IGNORE);
+      std::this_thread::yield();
+    }
+  });
+}
+
+ProgressThread::~ProgressThread() {
+  stop_.store(true);
+  if (thread_.joinable()) thread_.join();
+}
+
 double thread_cpu() {
   timespec ts{};
   clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);

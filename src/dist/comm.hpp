@@ -3,8 +3,10 @@
 // others waiting in a collective) and gathering shards in one process for the simulations.
 #include <mpi.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "qkv/dist.hpp"
@@ -22,6 +24,20 @@ void agree(MPI_Comm comm, const std::string& err, const std::vector<std::int64_t
 Tensor gather(const TensorView& t, const std::vector<Segment>& segs);
 /// Writes the rows of a contiguous local [B,H,n,X] tensor back to the positions `segs` of t.
 void scatter(const TensorView& local, const std::vector<Segment>& segs, const TensorView& t);
+
+/// Progress::thread: while it lives, a thread calls MPI_Testall on req[0..n) (yielding between
+/// calls) until they complete. Destroy it before any other MPI call touches those requests.
+class ProgressThread {
+public:
+  ProgressThread(MPI_Request* req, int n, bool on);
+  ~ProgressThread();
+  ProgressThread(const ProgressThread&) = delete;
+  ProgressThread& operator=(const ProgressThread&) = delete;
+
+private:
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 /// Seconds since an arbitrary origin (MPI_Wtime when MPI is initialised, else steady_clock).
 double now();

@@ -3,8 +3,8 @@
 // Step t of P: rank r holds the K, V shard of rank src = (r - t) mod P. While it computes its
 // tiles against that shard, the shard moves on to rank r + 1 and the next one arrives from
 // r - 1 into the second buffer (MPI_Isend / MPI_Irecv, progressed by MPI_Testall between tiles
-// with Progress::poll). The backward also passes fp32 dK, dV accumulators: rank r adds its
-// contribution to the accumulator of src and sends it on; after P steps each is home.
+// with Progress::poll, or by a second thread with Progress::thread). The backward also passes
+// fp32 dK, dV accumulators: rank r adds its contribution to the accumulator of src and sends it on; after P steps each is home.
 #include <algorithm>
 #include <climits>
 #include <cstring>
@@ -119,6 +119,14 @@ std::string check_ring(int P, int r, const TensorView& q, const TensorView& k, c
     if (o.tile_rows < 1) throw Error("tile_rows: expected >= 1, got " + std::to_string(o.tile_rows));
     if (Sq < 0 || Sk < 0)
       throw Error("seqlen: expected seqlen_q, seqlen_k >= 0, got " + std::to_string(Sq) + ", " + std::to_string(Sk));
+    if (o.progress == Progress::thread) {
+      int init = 0, level = MPI_THREAD_SINGLE;
+      MPI_Initialized(&init);
+      if (init) MPI_Query_thread(&level);
+      if (init && level < MPI_THREAD_MULTIPLE)
+        throw Error("progress: Progress::thread needs MPI_Init_thread with MPI_THREAD_MULTIPLE, got thread level " +
+                    std::to_string(level));
+    }
     const i64 sq = detail::total_length(shard(Sq, P, r, pl)), sk = detail::total_length(shard(Sk, P, r, pl));
     detail::check_local(q, k, v, sq, sk, Sq, Sk, params);
     const i64 es = static_cast<i64>(dtype_size(q.dtype()));
@@ -188,9 +196,12 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
     };
     i64 pairs = 0;
     const double t0 = detail::now(), c0 = detail::thread_cpu();
-    detail::forward_step(g, packed(qp), L.qsegs[static_cast<std::size_t>(r)],
-                         kv_view(buf[t % 2].data(), q.dtype(), L.B, L.Hkv, L.D, L.Dv, L.ksegs[static_cast<std::size_t>(src)]),
-                         options.tile_rows, acc, poll, &pairs);
+    {
+      const detail::ProgressThread progress(req, 2, options.progress == Progress::thread && t < P - 1);
+      detail::forward_step(g, packed(qp), L.qsegs[static_cast<std::size_t>(r)],
+                           kv_view(buf[t % 2].data(), q.dtype(), L.B, L.Hkv, L.D, L.Dv, L.ksegs[static_cast<std::size_t>(src)]),
+                           options.tile_rows, acc, poll, &pairs);
+    }
     const double t1 = detail::now(), c1 = detail::thread_cpu();
     MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
     const double t2 = detail::now();
@@ -271,9 +282,12 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
     const double t0 = detail::now(), c0 = detail::thread_cpu();
     const i64 nf = L.dkv_floats(src), nkd = L.B * L.Hkv * detail::total_length(L.ksegs[static_cast<std::size_t>(src)]) * L.D;
     std::fill(delta.begin(), delta.begin() + nf, 0.0f);
-    detail::backward_step(g, packed(qp), packed(op), packed(lp), packed(dop), L.qsegs[static_cast<std::size_t>(r)],
-                          kv_view(buf[t % 2].data(), q.dtype(), L.B, L.Hkv, L.D, L.Dv, L.ksegs[static_cast<std::size_t>(src)]),
-                          options.tile_rows, dq.data_as<float>(), delta.data(), delta.data() + nkd, poll, &pairs);
+    {
+      const detail::ProgressThread progress(req, 6, options.progress == Progress::thread);
+      detail::backward_step(g, packed(qp), packed(op), packed(lp), packed(dop), L.qsegs[static_cast<std::size_t>(r)],
+                            kv_view(buf[t % 2].data(), q.dtype(), L.B, L.Hkv, L.D, L.Dv, L.ksegs[static_cast<std::size_t>(src)]),
+                            options.tile_rows, dq.data_as<float>(), delta.data(), delta.data() + nkd, poll, &pairs);
+    }
     const double c1 = detail::thread_cpu();
     double waited = 0;
     const double w0 = detail::now();

@@ -112,7 +112,8 @@ std::vector<double> gather0(MPI_Comm comm, double x) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int provided = 0;  // Progress::thread calls MPI from a second thread
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int P = 1, r = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &P);
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -153,6 +154,7 @@ int main(int argc, char** argv) {
   struct Variant { const char* name; bool causal; Placement pl; Progress pr; };
   const Variant variants[] = {{"non-causal contiguous, progress none", false, Placement::contiguous, Progress::none},
                               {"non-causal contiguous, progress poll", false, Placement::contiguous, Progress::poll},
+                              {"non-causal contiguous, progress thread", false, Placement::contiguous, Progress::thread},
                               {"causal contiguous, poll", true, Placement::contiguous, Progress::poll},
                               {"causal zigzag, poll", true, Placement::zigzag, Progress::poll}};
   int fails = 0;

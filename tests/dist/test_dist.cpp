@@ -206,7 +206,8 @@ void run_refusal(MPI_Comm comm) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int provided = 0;  // Progress::thread calls MPI from a second thread
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int P = 1, r = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &P);
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -230,6 +231,8 @@ int main(int argc, char** argv) {
     cases.push_back(tiny);
     Case wl = w; wl.name = "window right only, progress none"; wl.wl = -1; wl.wr = 2; wl.progress = Progress::none;
     cases.push_back(wl);
+    Case th = zc; th.name = "progress thread, causal contiguous"; th.progress = Progress::thread; th.tile_rows = 8;
+    cases.push_back(th);
     Case cw; cw.name = "causal window softcap key lengths"; cw.B = 2; cw.Hq = 3; cw.Hkv = 1; cw.Sq = 31; cw.Sk = 43;
     cw.causal = true; cw.wl = 7; cw.softcap = 4.0; cw.lens = {43, 17}; cw.tile_rows = 5;
     cases.push_back(cw);
