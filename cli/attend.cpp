@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "attend.hpp"
 #include "commands.hpp"
 #include "options.hpp"
 #include "qkv/attention.hpp"
@@ -13,18 +14,8 @@
 #include "qkv/npy.hpp"
 
 namespace qkv::cli {
-namespace {
 
-struct AttendOptions {
-  std::string q, k, v, out, lse, probs, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
-  std::string grad_out, grad_q, grad_k, grad_v;
-  std::optional<double> scale;
-  double softcap = 0.0;
-  bool causal = false, reference = false;
-  int threads = 0;
-};
-
-// Reads a 4-D input and returns it as a [B,H,S,D] view (permuting BSHD files).
+// Reads a 4-D input (the caller permutes BSHD files to a [B,H,S,D] view).
 NpyArray read_input(const std::string& flag, const std::string& path) {
   NpyArray a;
   try {
@@ -36,6 +27,8 @@ NpyArray read_input(const std::string& flag, const std::string& path) {
     throw Error(flag + ": expected a 4-D array, got shape " + shape_str(a.shape()) + " in " + path);
   return a;
 }
+
+namespace {
 
 void run_attend(const AttendOptions& o) {
   if (o.threads < 0)
@@ -50,6 +43,7 @@ void run_attend(const AttendOptions& o) {
           std::filesystem::weakly_canonical(*outs[a].second) == std::filesystem::weakly_canonical(*outs[b].second))
         throw Error(std::string(outs[b].first) + ": expected a path different from " + outs[a].first + ", got '" +
                     *outs[b].second + "' for both");
+  if (o.distributed || o.simulate_ranks > 0) return run_attend_distributed(o);
   const bool want_grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty();
   if (want_grads && o.grad_out.empty())
     throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v, got none");
@@ -155,6 +149,18 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--grad-v", o->grad_v, "write dV, float32, the shape of v");
   cmd->add_flag("--reference", o->reference, "run the float64 reference kernels");
   cmd->add_option("--threads", o->threads, "threads (0 = all)");
+  // Context parallelism (qkv::dist, docs/distributed.md): under `mpirun -np P`, each rank reads
+  // its slice of the files, rank 0 writes the whole results.
+  cmd->add_flag("--distributed", o->distributed, "split the sequence across the MPI ranks (run under mpirun): ring attention");
+  cmd->add_flag("--decode", o->decode, "with --distributed: q on every rank, the keys split by position (decoding across ranks)");
+  cmd->add_option("--simulate-ranks", o->simulate_ranks, "run the --distributed schedule of P ranks in this one process");
+  cmd->add_option("--placement", o->placement, "positions per rank: auto (zigzag if causal), contiguous, zigzag")
+      ->check(CLI::IsMember({"auto", "contiguous", "zigzag"}));
+  cmd->add_option("--progress", o->progress,
+                  "transfers progress during compute: poll (MPI_Test between tiles), thread (a second thread) or none")
+      ->check(CLI::IsMember({"poll", "thread", "none"}));
+  cmd->add_option("--tile-rows", o->tile_rows, "query rows per tile of the distributed schedule");
+  cmd->add_option("--bench", o->bench, "with --distributed: run N times and print timings (JSON, rank 0)");
   cmd->callback([o] { run_attend(*o); });
 }
 

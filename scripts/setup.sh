@@ -9,7 +9,7 @@ packages=(
   cmake g++ make pkg-config git
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libopenblas-openmp-dev libomp-dev
-  libstb-dev
+  libstb-dev libopenmpi-dev openmpi-bin
   python3 python3-numpy python3-dev python3-pip
   clang libclang-rt-14-dev
 )

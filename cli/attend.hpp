@@ -1,0 +1,32 @@
+#pragma once
+// The options of `qkv attend`, shared by the one-process run (attend.cpp) and the distributed
+// run (attend_dist.cpp).
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "qkv/npy.hpp"
+
+namespace qkv::cli {
+
+struct AttendOptions {
+  std::string q, k, v, out, lse, probs, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
+  std::string grad_out, grad_q, grad_k, grad_v;
+  std::optional<double> scale;
+  double softcap = 0.0;
+  bool causal = false, reference = false;
+  int threads = 0;
+  // Context parallelism.
+  bool distributed = false, decode = false;
+  int simulate_ranks = 0, bench = 0;
+  std::string placement = "auto", progress = "poll";
+  std::int64_t tile_rows = 64;
+};
+
+/// Reads a 4-D .npy input; errors name the flag.
+NpyArray read_input(const std::string& flag, const std::string& path);
+
+/// `attend --distributed` (under mpirun) or `--simulate-ranks P` (one process).
+void run_attend_distributed(const AttendOptions& o);
+
+}  // namespace qkv::cli
