@@ -21,7 +21,7 @@ inline std::int64_t tile_tokens(const Problem& p) { return std::max<std::int64_t
 struct ServingLayout {
   std::int64_t rows, nsplit, D, Dv;
   std::int64_t bytes() const {
-    const std::int64_t floats = rows * D + rows * kServingSplit + rows * nsplit * (Dv + 2) + 4 * D + 4 * Dv + 2 * (Dv + 2);
+    const std::int64_t floats = rows * D + rows * (kServingSplit + 16) + rows * nsplit * (Dv + 2) + 4 * D + 4 * Dv + 2 * (Dv + 2);
     return (floats * 4 + rows * static_cast<std::int64_t>(sizeof(ServingRow)) + 8 * 64 + 63) / 64 * 64;
   }
 };

@@ -16,6 +16,8 @@ namespace qkv::detail::QKV_SERVING_NS {
 
 using i64 = std::int64_t;
 constexpr i64 P = kServingSplit;
+// Pitch of a row's scores: off a multiple of 4 KiB, so the rows do not share L1 sets.
+constexpr i64 SP = kServingSplit + 16;
 
 // float16 bits to float, exactly (subnormals, inf, NaN).
 inline float half_bits_to_float(std::uint16_t h) {
@@ -133,7 +135,7 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
   auto carve = [&ws](i64 bytes) { char* r = ws; ws += (bytes + 63) / 64 * 64; return r; };
   ServingRow* rows = reinterpret_cast<ServingRow*>(carve(R * static_cast<i64>(sizeof(ServingRow))));
   float* qf = reinterpret_cast<float*>(carve(R * D * 4));
-  float* s = reinterpret_cast<float*>(carve(R * P * 4));
+  float* s = reinterpret_cast<float*>(carve(R * SP * 4));
   float* parts = reinterpret_cast<float*>(carve(R * L.nsplit * (Dv + 2) * 4));
   float* kf = reinterpret_cast<float*>(carve(4 * D * 4));
   float* vf = reinterpret_cast<float*>(carve(4 * Dv * 4));
@@ -171,7 +173,7 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       for (i64 r = 0; r < R; ++r) {
         const i64 ra = std::max(rows[r].lo, j), rb = std::min(rows[r].hi, j + nk);
         if (ra >= rb) continue;
-        float* sr = s + r * P + (j - c * P);
+        float* sr = s + r * SP + (j - c * P);
         if (ra == j && rb == j + 4) {
           dot4(qf + r * D, kp, D, sr);
         } else {
@@ -185,7 +187,7 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       float* part = parts + (r * NS + (c - c0)) * pf;
       for (i64 d = 0; d < Dv; ++d) part[d] = 0.0f;
       if (ra >= rb) continue;
-      float* sr = s + r * P - c * P;
+      float* sr = s + r * SP - c * P;
       float m = neg_inf;
       for (i64 j = ra; j < rb; ++j) {
         float x = sr[j] * scale;
@@ -214,7 +216,7 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       for (i64 r = 0; r < R; ++r) {
         const i64 ra = std::max(rows[r].lo, j), rb = std::min(rows[r].hi, j + nk);
         if (ra >= rb) continue;
-        const float* w = s + r * P + (j - c * P);
+        const float* w = s + r * SP + (j - c * P);
         float* acc = parts + (r * NS + (c - c0)) * pf;
         if (ra == j && rb == j + 4) {
           const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
