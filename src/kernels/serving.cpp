@@ -45,16 +45,16 @@ constexpr i64 P = kServingSplit;
 
 // The item body of the active ISA level; every level gives the same bits (serving_item.hpp).
 ServingItemFn serving_item_fn() {
-  switch (active_isa()) {
+  // By order, so that every level above avx512 takes the avx512 body.
+  const Isa isa = active_isa();
+  (void)isa;
 #if defined(QKV_HAVE_AVX512)
-    case Isa::avx512bf16:
-    case Isa::avx512: return serving_item_avx512;
+  if (isa >= Isa::avx512) return serving_item_avx512;
 #endif
 #if defined(QKV_HAVE_AVX2)
-    case Isa::avx2: return serving_item_avx2;
+  if (isa >= Isa::avx2) return serving_item_avx2;
 #endif
-    default: return serving_item_scalar;
-  }
+  return serving_item_scalar;
 }
 
 }  // namespace
