@@ -12,6 +12,7 @@
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
+#include "qkv/varlen.hpp"
 
 namespace qkv::cli {
 
@@ -24,11 +25,80 @@ NpyArray read_input(const std::string& flag, const std::string& path) {
     throw Error(flag + ": " + e.what());
   }
   if (a.shape().size() != 4)
-    throw Error(flag + ": expected a 4-D array, got shape " + shape_str(a.shape()) + " in " + path);
+    throw Error(flag + ": expected a 4-D array, got shape " + shape_str(a.shape()) + " in " + path +
+                (a.shape().size() == 3 ? " (packed 3-D inputs need --cu-seqlens-q and --cu-seqlens-k)" : ""));
   return a;
 }
 
 namespace {
+NpyArray read_packed(const std::string& flag, const std::string& path, const char* axes) {
+  NpyArray a;
+  try {
+    a = read_npy(path);
+  } catch (const Error& e) {
+    throw Error(flag + ": " + e.what());
+  }
+  if (a.shape().size() != 3)
+    throw Error(flag + ": expected a packed 3-D array " + axes + " (with --cu-seqlens-q/--cu-seqlens-k), got shape " +
+                shape_str(a.shape()) + " in " + path);
+  return a;
+}
+
+// Writes each file atomically; if a later one fails, the earlier ones are removed too.
+struct Writer {
+  std::vector<std::string> written;
+  void operator()(const std::string& path, const TensorView& t) {
+    try {
+      write_npy(path, t);
+      written.push_back(path);
+    } catch (...) {
+      std::error_code ec;
+      for (const auto& w : written) std::filesystem::remove(w, ec);
+      throw;
+    }
+  }
+};
+
+// Packed sequences: q [total_q,Hq,D], k and v [total_k,Hkv,X], cu_seqlens int32 [batch + 1].
+void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool want_grads) {
+  if (o.cu_q.empty() || o.cu_k.empty())
+    throw Error(std::string(o.cu_q.empty() ? "--cu-seqlens-q" : "--cu-seqlens-k") +
+                ": expected both --cu-seqlens-q and --cu-seqlens-k for packed inputs, got one");
+  if (o.layout != "bhsd")
+    throw Error("--layout: expected none with --cu-seqlens-q (packed inputs are [total,H,D]), got " + o.layout);
+  if (!o.mask.empty()) throw Error("--mask: expected none with --cu-seqlens-q (packed inputs take causal and window masks), got " + o.mask);
+  if (!o.kv_lens.empty()) throw Error("--kv-lens: expected none with --cu-seqlens-q (the key lengths are --cu-seqlens-k), got " + o.kv_lens);
+  if (!o.probs.empty()) throw Error("--probs: expected none with --cu-seqlens-q, got " + o.probs);
+  const NpyArray qa = read_packed("--q", o.q, "[total_q,Hq,D]"), ka = read_packed("--k", o.k, "[total_k,Hkv,D]"),
+                 va = read_packed("--v", o.v, "[total_k,Hkv,Dv]");
+  NpyArray cq, ck;
+  try { cq = read_npy(o.cu_q); } catch (const Error& e) { throw Error(std::string("--cu-seqlens-q: ") + e.what()); }
+  try { ck = read_npy(o.cu_k); } catch (const Error& e) { throw Error(std::string("--cu-seqlens-k: ") + e.what()); }
+  const TensorView q = qa.view(), k = ka.view(), v = va.view();
+  const std::int64_t Tq = q.size(0), Hq = q.size(1), Dv = v.size(2);
+  Tensor out(DType::f32, {Tq, Hq, Dv});
+  std::optional<Tensor> lse;
+  if (!o.lse.empty() || want_grads) lse.emplace(DType::f32, Shape{Hq, Tq});
+  std::optional<NpyArray> dout;
+  std::optional<Tensor> dq, dk, dv;
+  if (want_grads) {
+    dout = read_packed("--grad-out", o.grad_out, "[total_q,Hq,Dv]");
+    dq.emplace(DType::f32, q.shape());
+    dk.emplace(DType::f32, k.shape());
+    dv.emplace(DType::f32, v.shape());
+  }
+  std::optional<TensorView> lse_view;
+  if (lse) lse_view = lse->view();
+  attention_varlen(q, k, v, out, cq.view(), ck.view(), p, lse_view);
+  if (want_grads)
+    attention_varlen_backward(q, k, v, out, *lse_view, dout->view(), *dq, *dk, *dv, cq.view(), ck.view(), p);
+  Writer write;
+  write(o.out, out.view());
+  if (!o.lse.empty()) write(o.lse, lse->view());
+  if (!o.grad_q.empty()) write(o.grad_q, dq->view());
+  if (!o.grad_k.empty()) write(o.grad_k, dk->view());
+  if (!o.grad_v.empty()) write(o.grad_v, dv->view());
+}
 
 void run_attend(const AttendOptions& o) {
   if (o.threads < 0)
@@ -49,6 +119,12 @@ void run_attend(const AttendOptions& o) {
     throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v, got none");
   if (!o.grad_out.empty() && !want_grads)
     throw Error("--grad-out: expected at least one of --grad-q, --grad-k, --grad-v to write, got none");
+  if (!o.cu_q.empty() || !o.cu_k.empty()) {
+    AttentionParams p = attention_params(o);
+    p.kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
+    p.num_threads = o.threads;
+    return run_attend_varlen(o, p, want_grads);
+  }
   const bool bshd = o.layout == "bshd";
   auto to_bhsd = [&](const TensorView& t) { return bshd ? t.permute({0, 2, 1, 3}) : t; };
 
@@ -103,18 +179,7 @@ void run_attend(const AttendOptions& o) {
     throw;
   }
 
-  // Each file is written atomically; if a later one fails, the earlier ones are removed too.
-  std::vector<std::string> written;
-  auto write = [&](const std::string& path, const TensorView& t) {
-    try {
-      write_npy(path, t);
-      written.push_back(path);
-    } catch (...) {
-      std::error_code ec;
-      for (const auto& w : written) std::filesystem::remove(w, ec);
-      throw;
-    }
-  };
+  Writer write;
   write(o.out, out.view());
   if (!o.lse.empty()) write(o.lse, lse->view());
   if (probs) write(o.probs, probs->view());
@@ -128,11 +193,11 @@ void run_attend(const AttendOptions& o) {
 void add_attend(CLI::App& app) {
   auto o = std::make_shared<AttendOptions>();
   auto* cmd = app.add_subcommand("attend", "Attention on .npy files: O = softmax(QK^T * scale) V");
-  cmd->add_option("--q", o->q, "queries, [B,Hq,Sq,D] (bhsd) or [B,Sq,Hq,D] (bshd)")->required();
+  cmd->add_option("--q", o->q, "queries, [B,Hq,Sq,D] (bhsd) or [B,Sq,Hq,D] (bshd); packed [total_q,Hq,D] with --cu-seqlens-q")->required();
   cmd->add_option("--k", o->k, "keys, [B,Hkv,Sk,D] or [B,Sk,Hkv,D]")->required();
   cmd->add_option("--v", o->v, "values, [B,Hkv,Sk,Dv] or [B,Sk,Hkv,Dv]")->required();
   cmd->add_option("--out", o->out, "output O, float32, in the input layout")->required();
-  cmd->add_option("--lse", o->lse, "write softmax_lse, float32 [B,Hq,Sq] (natural log)");
+  cmd->add_option("--lse", o->lse, "write softmax_lse, float32 [B,Hq,Sq] (natural log); packed: [Hq,total_q]");
   cmd->add_option("--probs", o->probs, "write the attention weights, float32 [B,Hq,Sq,Sk]");
   cmd->add_option("--layout", o->layout, "axis order of q, k, v and out")->check(CLI::IsMember({"bhsd", "bshd"}));
   cmd->add_option("--scale", o->scale, "score scale (default 1/sqrt(D))");
@@ -147,6 +212,9 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--grad-q", o->grad_q, "write dQ, float32, the shape of q");
   cmd->add_option("--grad-k", o->grad_k, "write dK, float32, the shape of k");
   cmd->add_option("--grad-v", o->grad_v, "write dV, float32, the shape of v");
+  cmd->add_option("--cu-seqlens-q", o->cu_q,
+                  "int32 [batch+1] prefix sums of the query tokens: q, out (and dO) are packed [total_q,H,X]");
+  cmd->add_option("--cu-seqlens-k", o->cu_k, "int32 [batch+1] prefix sums of the keys: k, v are packed [total_k,Hkv,X]");
   cmd->add_flag("--reference", o->reference, "run the float64 reference kernels");
   cmd->add_option("--threads", o->threads, "threads (0 = all)");
   // Context parallelism (qkv::dist, docs/distributed.md): under `mpirun -np P`, each rank reads

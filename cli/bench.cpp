@@ -42,6 +42,7 @@ std::vector<DType> selected_dtypes(const std::string& d) {
 
 void run_bench(BenchOptions o) {
   bench::reexec_with_clean_blas_env(bench::self_cmdline(), o.blas_core);
+  if (o.serving) return run_bench_serving(o);
   const bool to_stdout = o.json_path == "-";
   // Fail before minutes of measuring, not after.
   for (const auto& [flag, path] : {std::pair{"--json", o.json_path}, std::pair{"--markdown", o.markdown_path}}) {
@@ -203,6 +204,9 @@ void add_bench(CLI::App& app) {
       "bench",
       "Measure qkv::attention() (and with --backward qkv::attention_backward()) against naive BLAS baselines and "
       "the machine's peaks");
+  cmd->add_flag("--serving", o->serving,
+                "the serving path instead: packed and paged decode of 32 sequences (1k..32k keys), a prefill + decode "
+                "mix, batched generation on stories260K (docs/serving.md)");
   cmd->add_flag("--quick", o->quick,
                 "small grid (D=64, S=256, decode Sk=4096, 3 repeats, --min-time 0) unless overridden");
   cmd->add_option("--shapes", o->shapes, "which shapes: all (forward and decode), forward, decode, or backward")

@@ -23,6 +23,7 @@ using bench::BenchShape;
 
 struct BenchOptions {
   bool quick = false, scaling = false, memory = false, no_baseline = false, reference = false, backward = false;
+  bool serving = false;
   std::string shapes = "all", dtype = "all", causal = "both", json_path, markdown_path, blas_core;
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
@@ -151,6 +152,10 @@ std::string dtype_short(DType d);
 
 // The table (stdout, or stderr when the JSON goes to stdout). kind_width: the kind column.
 void print_header(FILE* out, int kind_width);
+/// `qkv bench --serving` (cli/bench_serving.cpp): packed and paged decode, a prefill + decode mix,
+/// batched generation; a table on stdout.
+struct BenchOptions;
+void run_bench_serving(const BenchOptions& o);
 void print_row(FILE* out, const Row& r, int kind_width);
 // The results as a Markdown table (docs/performance.md), with the run's machine figures above it.
 std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Peaks>& peaks, int threads,

@@ -3,10 +3,15 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "commands.hpp"
+#include "io/atomic_file.hpp"
 #include "models.hpp"
 #include "qkv/error.hpp"
 #include "qkv/llama.hpp"
@@ -18,7 +23,8 @@ namespace {
 
 struct GenerateOptions {
   std::string model, tokenizer;  // empty: the default model's files (models.hpp)
-  std::string prompt;
+  std::string prompt, prompts, out_jsonl;
+  int batch = 8;
   int steps = 256;
   double temperature = 1.0;
   double top_p = 0.9;
@@ -28,6 +34,53 @@ struct GenerateOptions {
 };
 
 double rate(std::int64_t n, double seconds) { return seconds > 0 ? static_cast<double>(n) / seconds : 0.0; }
+
+// The text `qkv generate --prompt` prints for a sequence: every token's piece after the first, then
+// a newline.
+std::string sequence_text(const Tokenizer& tok, const std::vector<int>& seq) {
+  std::string text;
+  for (std::size_t i = 1; i < seq.size(); ++i) text += printable_piece(tok.decode(seq[i - 1], seq[i]));
+  return text + "\n";
+}
+
+// --prompts FILE: one prompt per line, continuous batching over LlamaBatch, one JSON line per
+// prompt in the file's order with its text exactly as the single-prompt run prints it.
+void run_generate_batch(const GenerateOptions& o, const Llama2cModel& weights, const Tokenizer& tok,
+                        const SamplerConfig& sc, const LlamaOptions& lo) {
+  if (o.batch < 1) throw Error("--batch: expected a count >= 1, got " + std::to_string(o.batch));
+  if (o.out_jsonl.empty()) throw Error("--out-jsonl: expected a path for the results of --prompts, got none");
+  if (!o.prompt.empty()) throw Error("--prompt: expected none with --prompts (one prompt per line of the file), got one");
+  std::ifstream in(o.prompts, std::ios::binary);
+  if (!in) throw Error("--prompts: cannot open '" + o.prompts + "' for reading");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  std::vector<std::vector<int>> prompts;
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    prompts.push_back(tok.encode(lines[i], /*bos=*/true, /*eos=*/false));
+    const auto n = static_cast<int>(prompts.back().size());
+    if (n > o.steps)
+      throw Error("--prompts: line " + std::to_string(i + 1) + " has " + std::to_string(n) +
+                  " tokens (BOS included), more than --steps (" + std::to_string(o.steps) + ")");
+  }
+  std::vector<Sampler> samplers(prompts.size(), Sampler(sc));
+  LlamaBatch model(weights, o.batch, lo);
+  GenerationStats st;
+  const auto seqs = generate_batch(
+      model, prompts, o.steps, o.batch,
+      [&](std::size_t i, std::span<const float> logits) { return samplers[i].sample(logits); }, &st);
+  std::string jsonl;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const nlohmann::json j = {{"prompt", lines[i]}, {"text", sequence_text(tok, seqs[i])}};
+    jsonl += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+  }
+  detail::write_file_atomically(o.out_jsonl, jsonl);
+  std::fprintf(stderr, "%zu prompts, batch %d: %lld prompt + %lld generated tokens in %.3f ms (%.0f tok/s), %lld steps",
+               prompts.size(), o.batch, static_cast<long long>(st.prompt_tokens),
+               static_cast<long long>(st.generated_tokens), st.decode_seconds * 1e3,
+               rate(st.prompt_tokens + st.generated_tokens, st.decode_seconds), static_cast<long long>(st.decode_steps));
+  if (o.temperature > 0) std::fprintf(stderr, "; seed %llu", static_cast<unsigned long long>(sc.seed));
+  std::fprintf(stderr, "\n");
+}
 
 void run_generate(const GenerateOptions& o) {
   // Checked before the files are read, so a bad flag is named even when the files are fine.
@@ -41,6 +94,20 @@ void run_generate(const GenerateOptions& o) {
   if (o.steps > max_seq)
     throw Error("--steps: expected at most the model's max_seq_len (" + std::to_string(max_seq) + "), got " +
                 std::to_string(o.steps));
+  if (!o.prompts.empty()) {
+    SamplerConfig sc;
+    sc.temperature = o.temperature;
+    sc.top_p = o.top_p;
+    sc.seed = o.seed;
+    if (sc.seed == 0)
+      sc.seed = static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) | 1u;
+    LlamaOptions lo;
+    lo.attention_kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
+    lo.num_threads = o.threads;
+    lo.batch_invariant = true;
+    return run_generate_batch(o, weights, tok, sc, lo);
+  }
+  if (!o.out_jsonl.empty()) throw Error("--out-jsonl: expected --prompts FILE with it, got none");
   const std::vector<int> prompt = tok.encode(o.prompt, /*bos=*/true, /*eos=*/false);
   const auto n = static_cast<int>(prompt.size());
   if (n > max_seq)
@@ -59,6 +126,8 @@ void run_generate(const GenerateOptions& o) {
   LlamaOptions lo;
   lo.attention_kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
   lo.num_threads = o.threads;
+  // The batch-invariant attention, so that --prompts gives every prompt these very bits.
+  lo.batch_invariant = true;
   Llama model(weights, lo);
   GenerationStats st;
   generate(
@@ -92,6 +161,11 @@ void add_generate(CLI::App& app) {
   cmd->add_option("--tokenizer", opts->tokenizer,
                   "llama2.c tokenizer.bin (default: " + default_model_help(kTokenizerFile) + ")");
   cmd->add_option("--prompt", opts->prompt, "text to continue (BOS and a leading space are added)");
+  cmd->add_option("--prompts", opts->prompts,
+                  "file of prompts, one per line: generated in batches (continuous batching), results to --out-jsonl");
+  cmd->add_option("--batch", opts->batch, "with --prompts: sequences run at once")->capture_default_str();
+  cmd->add_option("--out-jsonl", opts->out_jsonl,
+                  "with --prompts: one JSON line per prompt, in order, {\"prompt\", \"text\"}; text as --prompt prints it");
   cmd->add_option("--steps", opts->steps, "positions to run, the prompt's tokens included (<= max_seq_len)")
       ->capture_default_str();
   cmd->add_option("--temperature", opts->temperature, "sampling temperature, 0 = greedy")

@@ -53,6 +53,10 @@ struct LlamaOptions {
   bool record_queries = false;
   /// RoPE angle precision (rope.hpp): f64 (exact) or llama2c_f32 (bit-for-bit llama2.c's floats).
   RopeAngles rope_angles = RopeAngles::f64;
+  /// Attention through the batch-invariant serving kernel (attention_varlen over the cache; with
+  /// attention_kernel automatic): every position's bits are then those LlamaBatch computes for
+  /// the same sequence in any batch (qkv generate uses it, so --prompts reproduces --prompt).
+  bool batch_invariant = false;
 };
 
 /// A Llama-2 model with its per-layer KV caches (batch 1): feed tokens, read logits.
@@ -147,6 +151,60 @@ std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
                           const std::function<int(std::span<const float>)>& sample,
                           const std::function<void(int, int)>& on_token = {},
                           GenerationStats* stats = nullptr);
+
+/// Many sequences at once over paged KV caches (one PagedKVCache per layer): continuous batching,
+/// where any set of live sequences, each with its own number of new tokens (a whole prompt, or one
+/// decode token), runs in one step(). Per sequence, every computation is the one Llama::forward
+/// does with LlamaOptions::batch_invariant for that sequence alone: the projections are
+/// cblas_sgemm calls over that sequence's rows of the step, and the attention of all sequences is
+/// one attention_paged call per layer (batch invariant, qkv/varlen.hpp), so a sequence's logits
+/// are bitwise those of Llama (batch_invariant) fed the same tokens in the same calls.
+/// Not thread-safe.
+class LlamaBatch {
+ public:
+  /// Packs the weights as Llama does and allocates, per layer, a pool of num_blocks blocks of
+  /// block_size positions (0: room for max_sequences sequences of max_seq_len positions).
+  /// @throws qkv::Error as Llama, or for max_sequences < 1, block_size < 16, num_blocks < 0.
+  LlamaBatch(const Llama2cModel& model, std::int64_t max_sequences, const LlamaOptions& options = {},
+             std::int64_t block_size = 16, std::int64_t num_blocks = 0);
+  LlamaBatch(const LlamaBatch&) = delete;
+  LlamaBatch& operator=(const LlamaBatch&) = delete;
+  ~LlamaBatch();
+  const Llama2cConfig& config() const noexcept;
+  /// A new sequence (position 0); returns its id (freed ids are reused).
+  std::int64_t add_sequence();
+  /// Frees the sequence's pages in every layer. @throws qkv::Error for an id not live.
+  void free_sequence(std::int64_t seq);
+  /// Positions processed for `seq`. @throws qkv::Error for an id not live.
+  std::int64_t length(std::int64_t seq) const;
+  /// One step: counts[b] tokens of seqs[b] (distinct, live), packed in order in `tokens`, at
+  /// positions length(seqs[b]) onwards. Returns float32 logits [seqs.size(), vocab_size] of each
+  /// sequence's last token (a row of zeros for a count of 0), valid until the next step().
+  /// @throws qkv::Error for a sequence not live or repeated, counts of another size than seqs,
+  ///         a sum of counts other than tokens.size(), a token outside the vocabulary, a sequence
+  ///         passing max_seq_len, or a pool too short (the step's sequences may then be freed).
+  TensorView step(std::span<const std::int64_t> seqs, std::span<const std::int64_t> counts,
+                  std::span<const int> tokens);
+
+ private:
+  struct Impl;
+  Impl* impl_ = nullptr;
+};
+
+/// Generation of many prompts with continuous batching: at most `max_batch` sequences run at
+/// once; each step prefills the prompts admitted in it (in one pass each) and decodes one token of
+/// every other running sequence; a finished sequence (as generate(): `steps` positions, or BOS
+/// sampled) frees its pages and the next waiting prompt takes its place. `sample(i, logits)`
+/// picks the next token of prompt i (give each prompt its own Sampler). Returns each prompt's
+/// sequence (prompt then sampled tokens), in the prompts' order; with Llama (batch_invariant) and
+/// the same samplers, generate() gives the same sequences one prompt at a time.
+/// `stats`: prompt_tokens and generated_tokens summed, decode_steps = steps run, prefill_seconds
+/// = 0, decode_seconds = the wall time of all steps.
+/// @throws qkv::Error as generate() for each prompt, or for max_batch < 1.
+std::vector<std::vector<int>> generate_batch(LlamaBatch& model, const std::vector<std::vector<int>>& prompts, int steps,
+                                             int max_batch,
+                                             const std::function<int(std::size_t, std::span<const float>)>& sample,
+                                             GenerationStats* stats = nullptr);
 
 namespace reference {
 

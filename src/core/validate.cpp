@@ -21,7 +21,6 @@ EffectiveWindow effective_window(const AttentionParams& params) noexcept {
 }  // namespace qkv
 
 namespace qkv::detail {
-namespace {
 
 // The element count must fit int64 (and its bytes size_t), and the bytes between the lowest and
 // the highest element must fit int64, so that no offset a kernel forms can overflow.
@@ -62,6 +61,7 @@ void check_distinct(const TensorView& t, const char* name) {
 }
 
 
+namespace {
 void expect_dim(const TensorView& t, const char* name, const char* axes, int axis,
                 const char* letter, std::int64_t want, const std::string& why) {
   if (t.size(axis) != want)
@@ -69,8 +69,11 @@ void expect_dim(const TensorView& t, const char* name, const char* axes, int axi
                 std::to_string(want) + "), got " + letter + " = " + std::to_string(t.size(axis)) + " in shape " + shape_str(t.shape()));
 }
 
+}  // namespace
+
 // Byte range [lo, hi) spanned by a view (empty views span nothing). Addresses as integers:
 // the range may reach outside what a pointer may point to when strides are negative.
+namespace {
 struct Span { std::uintptr_t lo = 0, hi = 0; bool empty = true; };
 Span span_of(const TensorView& t, const char* name) {
   if (!t.data()) return {};
@@ -93,12 +96,15 @@ Span span_of(const TensorView& t, const char* name) {
   const auto base = reinterpret_cast<std::uintptr_t>(t.data());
   return {base + static_cast<std::uintptr_t>(lo), base + static_cast<std::uintptr_t>(hi), false};
 }
+}  // namespace
 void check_no_overlap(const TensorView& out, const char* oname, const TensorView& in, const char* iname) {
   const Span a = span_of(out, oname), b = span_of(in, iname);
   if (!a.empty && !b.empty && a.lo < b.hi && b.lo < a.hi)
     throw Error(std::string(oname) + ": expected memory disjoint from " + iname + ", got " +
                 std::to_string(std::min(a.hi, b.hi) - std::max(a.lo, b.lo)) + " overlapping bytes");
 }
+
+namespace {
 
 OutOperand lower_out(const TensorView& t) {
   OutOperand o;

@@ -11,6 +11,15 @@ namespace qkv::detail {
 /// [B,Hq,Sq,D], got rank 3 with shape [2,3,4]".
 void check_rank4(const TensorView& t, const char* name, const char* axes);
 
+/// The checks check_rank4 and lower_attention make, one at a time (validate.cpp), for entry points
+/// whose operands are not 4-D (attention_varlen, attention_paged): the element count and the
+/// strides' byte extent fit int64; a data pointer unless empty; no zero stride on an axis of
+/// size > 1 (outputs); no byte shared between an output and another operand.
+void check_sizes(const TensorView& t, const char* name);
+void check_data(const TensorView& t, const char* name);
+void check_distinct(const TensorView& t, const char* name);
+void check_no_overlap(const TensorView& out, const char* oname, const TensorView& in, const char* iname);
+
 /// Validates one attention call and lowers it. Throws qkv::Error naming the argument, the
 /// expected and the actual shape or value.
 Problem lower_attention(const TensorView& q, const TensorView& k, const TensorView& v,

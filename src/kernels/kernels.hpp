@@ -3,6 +3,7 @@
 #include <string>
 
 #include "core/problem.hpp"
+#include "core/varlen_problem.hpp"
 
 namespace qkv::detail {
 
@@ -16,6 +17,11 @@ std::string decode_describe();
 
 std::string flash_backward_refuse(const BackwardProblem& bp);
 void flash_backward_kernel(const BackwardProblem& bp);
+
+/// The serving kernel (serving.cpp): attention_varlen and attention_paged, batch invariant.
+void serving_kernel(const VarlenProblem& vp);
+/// Keys per split of the serving kernel, at absolute key positions (part of its arithmetic).
+inline constexpr std::int64_t kServingSplit = 1024;
 
 /// Largest Sq the decode kernel takes.
 inline constexpr std::int64_t kDecodeMaxSq = 16;

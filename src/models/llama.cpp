@@ -2,7 +2,7 @@
 // cblas_sgemm projections over all tokens of a call, apply_rope, KVCache::append/attend.
 #include "qkv/llama.hpp"
 
-#include <cblas.h>
+#include "models/llama_common.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -14,36 +14,10 @@
 #include "qkv/error.hpp"
 #include "qkv/reference.hpp"
 #include "qkv/tokenizer.hpp"
+#include "qkv/varlen.hpp"
 
 namespace qkv {
-namespace {
-
-
-// c[M, N] = a[M, K] w[N, K]^T + beta * c (row-major; w is a Linear-layout [out, in] matrix).
-void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c,
-             int ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, lda, w, ldw, beta, c, ldc);
-}
-
-// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * gain, per row of `dim` floats; the mean in double.
-void rmsnorm(const float* x, const float* gain, float* out, std::int64_t rows, std::int64_t dim) {
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * dim;
-    double ss = 0.0;
-    for (std::int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const auto inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + Llama::rms_eps));
-    for (std::int64_t i = 0; i < dim; ++i) out[r * dim + i] = gain[i] * (inv * xr[i]);
-  }
-}
-
-void check_tokens(std::span<const int> tokens, int vocab, const char* what) {
-  for (std::size_t i = 0; i < tokens.size(); ++i)
-    if (tokens[i] < 0 || tokens[i] >= vocab)
-      throw Error(std::string(what) + ": token " + std::to_string(static_cast<std::int64_t>(i)) + " is " + std::to_string(tokens[i]) +
-                  ", expected an id in [0, vocab_size) = [0, " + std::to_string(vocab) + ")");
-}
-
-}  // namespace
+using namespace llama_detail;
 
 struct Llama::Impl {
   Llama2cModel model;
@@ -161,7 +135,18 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
     KVCache& cache = m.caches[static_cast<std::size_t>(l)];
     cache.append(k, v);
     try {
-      cache.attend(q, o, ap);
+      if (m.options.batch_invariant && ap.kernel == KernelKind::automatic) {
+        // The serving kernel over the cache's first length + S positions (packed [S, H, D] views).
+        const std::int64_t len = m.length + S, cap = cache.capacity();
+        const TensorView q3(qd, DType::f32, {S, m.Hq, m.D}, {N, m.D, 1});
+        const TensorView k3(cache.keys().data(), DType::f32, {len, m.Hkv, m.D}, {m.D, cap * m.D, 1});
+        const TensorView v3(cache.values().data(), DType::f32, {len, m.Hkv, m.D}, {m.D, cap * m.D, 1});
+        const TensorView o3(att.data(), DType::f32, {S, m.Hq, m.D}, {dim, m.D, 1});
+        std::int32_t cq[2] = {0, static_cast<std::int32_t>(S)}, ck[2] = {0, static_cast<std::int32_t>(len)};
+        attention_varlen(q3, k3, v3, o3, TensorView(cq, DType::i32, {2}), TensorView(ck, DType::i32, {2}), ap);
+      } else {
+        cache.attend(q, o, ap);
+      }
     } catch (...) {
       for (int r = 0; r <= l; ++r) m.caches[static_cast<std::size_t>(r)].truncate(m.length);
       throw;
@@ -172,11 +157,7 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
     gemm_nt(Si, 2 * hid, dim, xbd, dim, m.w13[static_cast<std::size_t>(l)].data_as<const float>(), dim, 0.0f,
             h, 2 * hid);
     float* g = hb.data_as<float>();
-    for (std::int64_t t = 0; t < S; ++t)
-      for (int i = 0; i < hid; ++i) {
-        const float a = h[t * 2 * hid + i];
-        g[t * hid + i] = a / (1.0f + std::exp(-a)) * h[t * 2 * hid + hid + i];  // SiLU(w1 x) * (w3 x)
-      }
+    swiglu(h, g, S, hid);  // SiLU(w1 x) * (w3 x)
     gemm_nt(Si, dim, hid, g, hid, w.w2.data_as<const float>(), hid, 1.0f, xd, dim);
   }
   const std::int64_t first = all_logits ? 0 : S - 1, rows = S - first;

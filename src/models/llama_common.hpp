@@ -1,0 +1,49 @@
+#pragma once
+// Pieces of the Llama-2 forward pass shared by Llama (llama.cpp) and LlamaBatch (llama_batch.cpp),
+// so that both compute every row with the same calls.
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "qkv/error.hpp"
+#include "qkv/llama.hpp"
+
+namespace qkv::llama_detail {
+
+// c[M, N] = a[M, K] w[N, K]^T + beta * c (row-major; w is a Linear-layout [out, in] matrix).
+inline void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c,
+             int ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, lda, w, ldw, beta, c, ldc);
+}
+
+// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * gain, per row of `dim` floats; the mean in double.
+inline void rmsnorm(const float* x, const float* gain, float* out, std::int64_t rows, std::int64_t dim) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    double ss = 0.0;
+    for (std::int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const auto inv = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(dim) + Llama::rms_eps));
+    for (std::int64_t i = 0; i < dim; ++i) out[r * dim + i] = gain[i] * (inv * xr[i]);
+  }
+}
+
+inline void check_tokens(std::span<const int> tokens, int vocab, const char* what) {
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab)
+      throw Error(std::string(what) + ": token " + std::to_string(static_cast<std::int64_t>(i)) + " is " + std::to_string(tokens[i]) +
+                  ", expected an id in [0, vocab_size) = [0, " + std::to_string(vocab) + ")");
+}
+
+// g[t, i] = SiLU(h[t, i]) * h[t, hid + i] for rows t of h = [w1 x | w3 x] (SwiGLU).
+inline void swiglu(const float* h, float* g, std::int64_t rows, int hid) {
+  for (std::int64_t t = 0; t < rows; ++t)
+    for (int i = 0; i < hid; ++i) {
+      const float a = h[t * 2 * hid + i];
+      g[t * hid + i] = a / (1.0f + std::exp(-a)) * h[t * 2 * hid + hid + i];
+    }
+}
+
+}  // namespace qkv::llama_detail
