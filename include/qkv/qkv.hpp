@@ -17,4 +17,5 @@
 #include "qkv/sampler.hpp"
 #include "qkv/tensor.hpp"
 #include "qkv/tokenizer.hpp"
+#include "qkv/train.hpp"
 #include "qkv/version.hpp"
