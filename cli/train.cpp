@@ -22,8 +22,8 @@ namespace {
 
 struct TrainOptions {
   std::string task = "recall", scale = "1/sqrt(d_k)", study, out;
-  std::int64_t d_k = 16, heads = 2, d_model = 64, d_ff = 256, layers = 1, steps = 400, batch = 32, warmup = 30;
-  std::int64_t seeds = 5, log_every = 0;
+  std::int64_t d_k = 16, heads = 2, d_model = 64, d_ff = 128, layers = 1, steps = 300, batch = 32, warmup = 30;
+  std::int64_t seeds = 3, log_every = 0;
   double lr = 3e-3, clip = 1.0, weight_decay = 0.01, target = 0.9;
   std::uint64_t seed = 1;
   int threads = 1;
@@ -173,10 +173,10 @@ void add_train(CLI::App& app) {
   cmd->add_option("--d-k", o->d_k, "head dimension d_k (default 16)")->check(CLI::Range(1, 4096));
   cmd->add_option("--heads", o->heads, "attention heads (default 2)")->check(CLI::Range(1, 256));
   cmd->add_option("--d-model", o->d_model, "model width (default 64)")->check(CLI::Range(1, 4096));
-  cmd->add_option("--d-ff", o->d_ff, "feed-forward width (default 256)")->check(CLI::Range(1, 16384));
+  cmd->add_option("--d-ff", o->d_ff, "feed-forward width (default 128)")->check(CLI::Range(1, 16384));
   cmd->add_option("--layers", o->layers, "transformer blocks (default 1)")->check(CLI::Range(1, 16));
   cmd->add_option("--scale", o->scale, "multiplies q.k: '1/sqrt(d_k)' (default), '1/d_k' or a number");
-  cmd->add_option("--steps", o->steps, "training steps (default 400)")->check(CLI::Range(0, 10000000));
+  cmd->add_option("--steps", o->steps, "training steps (default 300)")->check(CLI::Range(0, 10000000));
   cmd->add_option("--batch", o->batch, "sequences per step (default 32)")->check(CLI::Range(1, 65536));
   cmd->add_option("--warmup", o->warmup, "linear learning-rate warm-up steps (default 30)")
       ->check(CLI::NonNegativeNumber);
@@ -192,7 +192,7 @@ void add_train(CLI::App& app) {
   cmd->add_option("--study", o->study, "run a study instead of one model: 'scaling'")
       ->check(CLI::IsMember({"scaling"}));
   cmd->add_option("--out", o->out, "output directory of --study (CSV, summary.md, PNG and SVG figures)");
-  cmd->add_option("--seeds", o->seeds, "--study: seeds per configuration (default 5)")->check(CLI::Range(1, 1000));
+  cmd->add_option("--seeds", o->seeds, "--study: seeds per configuration (default 3)")->check(CLI::Range(1, 1000));
   cmd->add_option("--target", o->target, "--study: the accuracy whose first step the summary reports (default 0.9)")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--quick", o->quick, "--study: a reduced study (60 steps, batch 16, one seed)");

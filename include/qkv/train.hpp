@@ -83,7 +83,7 @@ Batch make_batch(const TaskConfig& t, std::int64_t batch, std::uint64_t seed, st
 /// The model's shape and the attention options it is trained with.
 struct ModelConfig {
   std::int64_t vocab = 0, seq_len = 0;      ///< from the task
-  std::int64_t d_model = 64, num_heads = 2, d_k = 16, d_ff = 256, n_layers = 1;
+  std::int64_t d_model = 64, num_heads = 2, d_k = 16, d_ff = 128, n_layers = 1;
   double scale = 0.25;                      ///< multiplied into q.k (1/sqrt(d_k) for d_k = 16)
 };
 

@@ -127,11 +127,11 @@ Display layout(const Quantity& q, const std::vector<Run>& runs, const StudyOptio
       d.lines.push_back({x0 - 4, y, x0, y, black, 1});
       d.texts.push_back({x0 - 6, y - 4, explain::detail::tick_label(v), black, 2});
     }
-    for (int t = 0; t <= 4; ++t) {
-      const double s = 1 + (steps - 1) * t / 4;
-      const double x = X(std::round(s));
+    for (int t = 0; t <= 4; ++t) {  // steps 1, then quarters of the run
+      const long long s = t == 0 ? 1 : std::llround(steps * t / 4);
+      const double x = X(static_cast<double>(s));
       d.lines.push_back({x, y1, x, y1 + 4, black, 1});
-      d.texts.push_back({x, y1 + 7, std::to_string(static_cast<long long>(std::llround(s))), black, 1});
+      d.texts.push_back({x, y1 + 7, std::to_string(s), black, 1});
     }
     d.lines.push_back({x0, y1, x1, y1, black, 1});
     d.lines.push_back({x0, y0, x0, y1, black, 1});
@@ -151,8 +151,8 @@ Display layout(const Quantity& q, const std::vector<Run>& runs, const StudyOptio
           return s / static_cast<double>(rs.size());
         };
         auto draw = [&](const std::function<double(std::size_t)>& f, Rgb c, int thick) {
-          // At most ~300 segments per curve: the files stay small.
-          const std::size_t stride = std::max<std::size_t>(1, n / 300);
+          // At most ~120 segments per curve (the curves are smoothed anyway): the files stay small.
+          const std::size_t stride = std::max<std::size_t>(1, n / 120);
           double px0 = NAN, py0 = NAN;
           for (std::size_t i = 0; i < n; i += stride) {
             const double v = f(i);
@@ -219,11 +219,18 @@ std::string svg(const Display& d, const std::string& title) {
   // Consecutive segments of one colour and thickness become one polyline.
   for (std::size_t i = 0; i < d.lines.size();) {
     const Line& a = d.lines[i];
-    std::string pts = num(a.x0) + "," + num(a.y0) + " " + num(a.x1) + "," + num(a.y1);
+    std::string pts;
+    auto point = [&](double x, double y) {
+      if (!pts.empty()) pts.push_back(' ');
+      pts.append(num(x)).push_back(',');
+      pts.append(num(y));
+    };
+    point(a.x0, a.y0);
+    point(a.x1, a.y1);
     std::size_t j = i + 1;
     while (j < d.lines.size() && d.lines[j].c == a.c && d.lines[j].thick == a.thick &&
            d.lines[j].x0 == d.lines[j - 1].x1 && d.lines[j].y0 == d.lines[j - 1].y1) {
-      pts += " " + num(d.lines[j].x1) + "," + num(d.lines[j].y1);
+      point(d.lines[j].x1, d.lines[j].y1);
       ++j;
     }
     o += "<polyline fill=\"none\" stroke=\"" + explain::detail::hex(a.c) + "\" stroke-width=\"" + to_string(a.thick) +
