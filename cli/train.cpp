@@ -23,7 +23,7 @@ namespace {
 struct TrainOptions {
   std::string task = "recall", scale = "1/sqrt(d_k)", study, out;
   std::int64_t d_k = 16, heads = 2, d_model = 64, d_ff = 128, layers = 1, steps = 300, batch = 32, warmup = 30;
-  std::int64_t seeds = 3, log_every = 0;
+  std::int64_t seeds = 3, log_every = 0, jobs = 2;
   double lr = 3e-3, clip = 1.0, weight_decay = 0.01, target = 0.9;
   std::uint64_t seed = 1;
   int threads = 1;
@@ -121,14 +121,14 @@ void run_single(const TrainOptions& o) {
   auto row = [&](const char* what, double sec) {
     std::printf("  %-58s %7.3f s %5.1f%%\n", what, sec, 100 * sec / total);
   };
-  row("attention layer forward (projections + attention)", p.mha_forward);
+  row("attention layer forward (projections, attention, weights)", p.mha_forward);
   row("attention layer backward (recompute + attention bwd + grads)", p.mha_backward);
   row("  of which the attention core (fwd x2 + bwd, timed alone)", core);
   row("  of which projections and the rest (the difference)", mha - core);
   row("feed-forward forward + backward", p.ffn);
   row("unembedding + cross-entropy", p.head_loss);
   row("embeddings, RMSNorms, residuals", p.embed_norm);
-  row("attention statistics (probs + row statistics)", p.stats);
+  row("attention statistics (per row; the weights: in the forward)", p.stats);
   row("AdamW + clipping + gradient norms", tr.optimizer_seconds());
   row("other (batch generation)", total - p.mha_forward - p.mha_backward - p.ffn - p.head_loss - p.embed_norm -
                                      p.stats - tr.optimizer_seconds());
@@ -143,14 +143,16 @@ void run_study(const TrainOptions& o) {
   if (o.seeds < 1) throw Error("--seeds: expected >= 1, got " + std::to_string(o.seeds));
   so.seeds.clear();
   for (std::int64_t s = 0; s < o.seeds; ++s) so.seeds.push_back(o.seed + static_cast<std::uint64_t>(s));
+  so.parallel_runs = static_cast<int>(o.jobs);
   if (o.quick) {  // the same study, reduced to run in well under a minute
     so.base.steps = std::min<std::int64_t>(so.base.steps, 60);
     so.base.batch = std::min<std::int64_t>(so.base.batch, 16);
     so.base.warmup = std::min<std::int64_t>(so.base.warmup, 10);
     so.seeds.resize(1);
   }
-  std::printf("scaling study: %zu d_k x %zu scales x %zu seeds, %lld steps each, task %s\n", so.d_k.size(),
-              so.rules.size(), so.seeds.size(), static_cast<long long>(so.base.steps), o.task.c_str());
+  std::printf("scaling study: %zu d_k x %zu scales x %zu seeds, %lld steps each, task %s, %d runs at once\n",
+              so.d_k.size(), so.rules.size(), so.seeds.size(), static_cast<long long>(so.base.steps), o.task.c_str(),
+              so.parallel_runs);
   const auto t0 = Clock::now();
   const auto rows = train::run_study(so, [&](std::size_t i, std::size_t n, double sec) {
     std::printf("  run %zu/%zu done in %.1f s\n", i + 1, n, sec);
@@ -193,6 +195,8 @@ void add_train(CLI::App& app) {
       ->check(CLI::IsMember({"scaling"}));
   cmd->add_option("--out", o->out, "output directory of --study (CSV, summary.md, PNG and SVG figures)");
   cmd->add_option("--seeds", o->seeds, "--study: seeds per configuration (default 3)")->check(CLI::Range(1, 1000));
+  cmd->add_option("--jobs", o->jobs, "--study: runs trained at once, each on one thread (default 2)")
+      ->check(CLI::Range(1, 256));
   cmd->add_option("--target", o->target, "--study: the accuracy whose first step the summary reports (default 0.9)")
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--quick", o->quick, "--study: a reduced study (60 steps, batch 16, one seed)");

@@ -207,6 +207,10 @@ struct StudyOptions {
   std::vector<ScaleRule> rules = {ScaleRule::inv_sqrt_dk, ScaleRule::one, ScaleRule::inv_dk};
   std::vector<std::uint64_t> seeds = {1, 2, 3};
   double target_accuracy = 0.9;                          ///< for "steps to reach"
+  /// Runs trained at once (OpenMP threads, >= 1). Inside them BLAS runs on one thread (OpenMP's
+  /// nested regions are off) and so should the attention (base.threads = 1). The rows do not
+  /// depend on it: each run is independent and they are gathered in a fixed order.
+  int parallel_runs = 1;
 };
 
 /// One row of the study: a run's step.
@@ -219,8 +223,9 @@ struct StudyRow {
   StepStats stats;
 };
 
-/// Runs every (rule, d_k, seed), calling `progress` after each run with its index, the number of
-/// runs and its wall seconds. @throws qkv::Error as Trainer.
+/// Runs every (rule, d_k, seed): rows in the order d_k, rule, seed, step. Calls `progress` after
+/// each run (from the thread that ran it, one call at a time) with the run's index, the number of
+/// runs and its wall seconds. @throws qkv::Error as Trainer, or parallel_runs < 1.
 std::vector<StudyRow> run_study(const StudyOptions& options,
                                 const std::function<void(std::size_t, std::size_t, double)>& progress = {});
 

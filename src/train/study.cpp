@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <exception>
 #include <map>
 #include <string>
 #include <tuple>
@@ -38,23 +39,50 @@ std::vector<StudyRow> run_study(const StudyOptions& o,
   if (o.d_k.empty() || o.rules.empty() || o.seeds.empty())
     throw Error("study: expected at least one d_k, one scale rule and one seed");
   if (o.base.steps < 1) throw Error("study: steps: expected >= 1, got " + std::to_string(o.base.steps));
-  std::vector<StudyRow> rows;
-  const std::size_t runs = o.d_k.size() * o.rules.size() * o.seeds.size();
-  std::size_t run = 0;
+  if (o.parallel_runs < 1)
+    throw Error("study: parallel_runs: expected >= 1, got " + std::to_string(o.parallel_runs));
+  struct Job {
+    std::int64_t d_k;
+    ScaleRule rule;
+    std::uint64_t seed;
+  };
+  std::vector<Job> jobs;
   for (const std::int64_t d_k : o.d_k)
     for (const ScaleRule rule : o.rules)
-      for (const std::uint64_t seed : o.seeds) {
-        const auto t0 = std::chrono::steady_clock::now();
-        TrainConfig c = o.base;
-        c.model.d_k = d_k;
-        c.model.scale = scale_of(rule, d_k);
-        c.seed = seed;
-        Trainer tr(c);
-        for (std::int64_t s = 1; s <= c.steps; ++s) rows.push_back({rule, c.model.scale, d_k, seed, s, tr.step()});
-        if (progress)
-          progress(run, runs, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        ++run;
-      }
+      for (const std::uint64_t seed : o.seeds) jobs.push_back({d_k, rule, seed});
+  for (const Job& j : jobs) {  // every config is checked before anything runs
+    TrainConfig c = o.base;
+    c.model.d_k = j.d_k;
+    c.model.scale = scale_of(j.rule, j.d_k);
+    c.steps = 0;
+    Trainer check(c);
+  }
+  std::vector<std::vector<StudyRow>> out(jobs.size());
+  std::exception_ptr failure;
+  const auto n = static_cast<std::int64_t>(jobs.size());
+#pragma omp parallel for num_threads(o.parallel_runs) schedule(dynamic, 1)
+  for (std::int64_t i = 0; i < n; ++i) {
+    try {
+      const Job& j = jobs[static_cast<std::size_t>(i)];
+      const auto t0 = std::chrono::steady_clock::now();
+      TrainConfig c = o.base;
+      c.model.d_k = j.d_k;
+      c.model.scale = scale_of(j.rule, j.d_k);
+      c.seed = j.seed;
+      Trainer tr(c);
+      std::vector<StudyRow>& rows = out[static_cast<std::size_t>(i)];
+      for (std::int64_t s = 1; s <= c.steps; ++s) rows.push_back({j.rule, c.model.scale, j.d_k, j.seed, s, tr.step()});
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+#pragma omp critical(qkv_train_progress)
+      if (progress) progress(static_cast<std::size_t>(i), jobs.size(), sec);
+    } catch (...) {
+#pragma omp critical(qkv_train_failure)
+      if (!failure) failure = std::current_exception();
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  std::vector<StudyRow> rows;
+  for (auto& r : out) rows.insert(rows.end(), r.begin(), r.end());
   return rows;
 }
 
