@@ -11,4 +11,5 @@ void add_generate(CLI::App& app);
 void add_info(CLI::App& app);
 void add_mha(CLI::App& app);
 void add_bench(CLI::App& app);
+void add_train(CLI::App& app);
 }  // namespace qkv::cli

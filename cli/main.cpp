@@ -1,5 +1,5 @@
 // The qkv command: attention on files, a demo, the steps explained, text generation, the
-// attention layer, benchmarks, and machine information.
+// attention layer, benchmarks, machine information, and training a small model.
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -30,6 +30,7 @@ int main(int argc, char** argv) {
   qkv::cli::add_info(app);
   qkv::cli::add_mha(app);
   qkv::cli::add_bench(app);
+  qkv::cli::add_train(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -18,5 +18,6 @@
 #include "qkv/sampler.hpp"
 #include "qkv/tensor.hpp"
 #include "qkv/tokenizer.hpp"
+#include "qkv/train.hpp"
 #include "qkv/varlen.hpp"
 #include "qkv/version.hpp"
