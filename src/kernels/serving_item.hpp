@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "kernels/serving.hpp"
+#include "tensor/kv_codec.hpp"
 
 namespace qkv::detail::QKV_SERVING_NS {
 
@@ -121,6 +122,7 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       const i64 off = vp.key_off(p.k, b, hk, j);
       const float* kp;
       if (p.k.dtype == DType::f32) kp = static_cast<const float*>(p.k.data) + off;
+      else if (vp.kc.scales) { decode_row(vp.kc, p.k.data, off, hk, kf); kp = kf; }
       else { to_f32(p.k.data, p.k.dtype, off, kf, D); kp = kf; }
       for (i64 r = 0; r < R; ++r)
         if (j >= rows[r].lo && j < rows[r].hi) s[r * P + (j - c * P)] = dot(qf + r * D, kp, D);
@@ -154,6 +156,7 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       const i64 off = vp.key_off(p.v, b, hk, j);
       const float* vv;
       if (p.v.dtype == DType::f32) vv = static_cast<const float*>(p.v.data) + off;
+      else if (vp.vc.scales) { decode_row(vp.vc, p.v.data, off, hk, vf); vv = vf; }
       else { to_f32(p.v.data, p.v.dtype, off, vf, Dv); vv = vf; }
       for (i64 r = 0; r < R; ++r) {
         if (j < rows[r].lo || j >= rows[r].hi) continue;
