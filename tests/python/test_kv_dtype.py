@@ -59,6 +59,23 @@ check("bad --kv-dtype: exit 2, one line, no stdout",
       rc == 2 and out == "" and err.count("\n") == 1 and "--kv-dtype: expected one of f32, bf16, f16, int8, q8_0, fp8" in err,
       repr((rc, out, err)))
 
+# qkv bench --kv-quant --quick: a decode row per format and Hkv, prefill rows; --kv-accuracy --quick:
+# the 16 rows of the table, the f32 cache exactly the reference's greedy text.
+p = subprocess.run([QKV, "bench", "--kv-quant", "--quick", "--repeats", "1", "--read-mib", "16", "--peak-seconds", "0.05"],
+                   capture_output=True, text=True, timeout=300)
+check("bench --kv-quant: exit 0", p.returncode == 0, p.stderr)
+rows = [l.split() for l in p.stdout.splitlines() if l.startswith(("decode ", "prefill "))]
+for f in ("f32", "bf16", "f16", "int8", "q8_0", "fp8"):
+    check(f"bench --kv-quant: decode rows of {f} for Hkv 8 and 2",
+          sorted(r[2] for r in rows if r[0] == "decode" and r[1] == f) == ["2", "8"], p.stdout)
+    check(f"bench --kv-quant: a prefill row of {f}", any(r[0] == "prefill" and r[1] == f for r in rows), p.stdout)
+p = subprocess.run([QKV, "bench", "--kv-accuracy", "--quick"], capture_output=True, text=True, timeout=300)
+check("bench --kv-accuracy: exit 0", p.returncode == 0, p.stderr)
+table = [l for l in p.stdout.splitlines() if l.startswith("| ") and "/" in l.split("|")[1] and "K/V" not in l]
+check("bench --kv-accuracy: 16 rows", len(table) == 16, p.stdout)
+check("bench --kv-accuracy: f32/f32 keeps the greedy text", table and table[0].startswith("| f32/f32 | neither") and
+      table[0].rstrip().endswith("| same |"), p.stdout)
+
 if failures:
     print(f"{len(failures)} failure(s)")
     sys.exit(1)
