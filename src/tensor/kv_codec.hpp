@@ -25,11 +25,14 @@ static inline float bits_to_float(std::uint32_t u) noexcept {
 /// Both are formed and one is selected (branch-free, vectorizable). 0x7f and 0xff (NaN) are
 /// never written by the encoder.
 static inline float e4m3_to_float(std::uint8_t b) noexcept {
+  // Integer operations only (a select and an or for the sign), so that loops over a row vectorize.
   const std::uint32_t mag = b & 0x7fu;
-  const float normal = bits_to_float((mag + (120u << 3)) << 20);
-  const float sub = static_cast<float>(mag & 7u) * 0x1p-9f;
-  const float a = mag >= 8u ? normal : sub;
-  return (b & 0x80u) ? -a : a;
+  const std::uint32_t normal = (mag + (120u << 3)) << 20;
+  float sub = static_cast<float>(mag & 7u) * 0x1p-9f;
+  std::uint32_t sub_bits;
+  std::memcpy(&sub_bits, &sub, 4);
+  const std::uint32_t bits = (mag >= 8u ? normal : sub_bits) | (std::uint32_t{b & 0x80u} << 24);
+  return bits_to_float(bits);
 }
 
 /// A finite value to float8 e4m3fn: round to nearest even, saturating at +-448 (the largest
