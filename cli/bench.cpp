@@ -43,6 +43,8 @@ std::vector<DType> selected_dtypes(const std::string& d) {
 void run_bench(BenchOptions o) {
   bench::reexec_with_clean_blas_env(bench::self_cmdline(), o.blas_core);
   if (o.serving) return run_bench_serving(o);
+  if (o.kv_quant) return run_bench_kv_quant(o);
+  if (o.kv_accuracy) return run_bench_kv_accuracy(o);
   const bool to_stdout = o.json_path == "-";
   // Fail before minutes of measuring, not after.
   for (const auto& [flag, path] : {std::pair{"--json", o.json_path}, std::pair{"--markdown", o.markdown_path}}) {
@@ -207,6 +209,12 @@ void add_bench(CLI::App& app) {
   cmd->add_flag("--serving", o->serving,
                 "the serving path instead: packed and paged decode of 32 sequences (1k..32k keys), a prefill + decode "
                 "mix, batched generation on stories260K (docs/serving.md)");
+  cmd->add_flag("--kv-quant", o->kv_quant,
+                "quantized KV caches instead: decode (Sk 32768, Hkv 8 and 2) and prefill per format (f32, bf16, f16, int8, "
+                "q8_0, fp8) against the read bandwidth and bf16");
+  cmd->add_flag("--kv-accuracy", o->kv_accuracy,
+                "the accuracy cost of each KV format (docs/accuracy.md): NMSE against float64 on random data and on "
+                "stories260K's keys and values, KL divergence of next-token distributions, greedy continuation");
   cmd->add_flag("--quick", o->quick,
                 "small grid (D=64, S=256, decode Sk=4096, 3 repeats, --min-time 0) unless overridden");
   cmd->add_option("--shapes", o->shapes, "which shapes: all (forward and decode), forward, decode, or backward")

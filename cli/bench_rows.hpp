@@ -23,7 +23,7 @@ using bench::BenchShape;
 
 struct BenchOptions {
   bool quick = false, scaling = false, memory = false, no_baseline = false, reference = false, backward = false;
-  bool serving = false;
+  bool serving = false, kv_quant = false, kv_accuracy = false;
   std::string shapes = "all", dtype = "all", causal = "both", json_path, markdown_path, blas_core;
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
@@ -156,6 +156,10 @@ void print_header(FILE* out, int kind_width);
 /// batched generation; a table on stdout.
 struct BenchOptions;
 void run_bench_serving(const BenchOptions& o);
+/// `qkv bench --kv-quant` (cli/bench_kv_quant.cpp): decode and prefill over quantized KV caches.
+void run_bench_kv_quant(const BenchOptions& o);
+/// `qkv bench --kv-accuracy` (cli/bench_kv_accuracy.cpp): the accuracy table of docs/accuracy.md.
+void run_bench_kv_accuracy(const BenchOptions& o);
 void print_row(FILE* out, const Row& r, int kind_width);
 // The results as a Markdown table (docs/performance.md), with the run's machine figures above it.
 std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Peaks>& peaks, int threads,

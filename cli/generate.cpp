@@ -14,6 +14,7 @@
 #include "io/atomic_file.hpp"
 #include "models.hpp"
 #include "qkv/error.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/llama.hpp"
 #include "qkv/sampler.hpp"
 #include "qkv/tokenizer.hpp"
@@ -31,6 +32,7 @@ struct GenerateOptions {
   std::uint64_t seed = 0;  // 0: from the clock, as llama2.c
   bool reference = false;
   int threads = 0;
+  std::string kv_dtype = "f32";
 };
 
 double rate(std::int64_t n, double seconds) { return seconds > 0 ? static_cast<double>(n) / seconds : 0.0; }
@@ -105,6 +107,7 @@ void run_generate(const GenerateOptions& o) {
     lo.attention_kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
     lo.num_threads = o.threads;
     lo.batch_invariant = true;
+    lo.kv_k_format = lo.kv_v_format = parse_kv_format(o.kv_dtype, "--kv-dtype");
     return run_generate_batch(o, weights, tok, sc, lo);
   }
   if (!o.out_jsonl.empty()) throw Error("--out-jsonl: expected --prompts FILE with it, got none");
@@ -128,6 +131,7 @@ void run_generate(const GenerateOptions& o) {
   lo.num_threads = o.threads;
   // The batch-invariant attention, so that --prompts gives every prompt these very bits.
   lo.batch_invariant = true;
+  lo.kv_k_format = lo.kv_v_format = parse_kv_format(o.kv_dtype, "--kv-dtype");
   Llama model(weights, lo);
   GenerationStats st;
   generate(
@@ -181,6 +185,9 @@ void add_generate(CLI::App& app) {
           "UINT"));
   cmd->add_flag("--reference", opts->reference, "run every attention call on the float64 reference kernel");
   cmd->add_option("--threads", opts->threads, "threads per attention call (0 = OpenMP default)");
+  cmd->add_option("--kv-dtype", opts->kv_dtype,
+                  "format of the cached keys and values: f32, bf16, f16, int8, q8_0 or fp8 (docs/accuracy.md)")
+      ->capture_default_str();
   cmd->callback([opts] { run_generate(*opts); });
 }
 

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -41,13 +42,37 @@ class KVCache {
   /// @throws qkv::Error for a negative size, D < 1, an unsupported dtype, or a byte size that overflows.
   KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t capacity, std::int64_t head_dim,
           DType dtype = DType::f32, std::int64_t head_dim_v = 0);
+  /// K and V each in its own format (qkv/kv_quant.hpp): f32, bf16, f16, int8, q8_0, fp8. One float
+  /// format for both behaves as the dtype constructor. Otherwise the storage holds codes and
+  /// scales (keys()/values() are the codes, key_scales()/value_scales() the scales, laid out like
+  /// the rows: [B, Hkv, capacity] for int8, [B, Hkv, capacity, ceil(D/32)] float16 for q8_0, [Hkv]
+  /// for fp8, which starts at 1: set_fp8_scales). append() quantizes (round to nearest even,
+  /// saturating) and refuses NaN and infinities naming the batch, token and head; attend() runs the
+  /// serving kernel directly on the codes (attention_varlen over QuantizedKV, one call per
+  /// sequence): causal, window, softcap, scale, GQA; no explicit mask and no probs.
+  /// @throws qkv::Error as above.
+  KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t capacity, std::int64_t head_dim,
+          KVFormat k_format, KVFormat v_format, std::int64_t head_dim_v = 0);
 
   std::int64_t batch() const noexcept { return B_; }
   std::int64_t num_kv_heads() const noexcept { return Hkv_; }
   std::int64_t capacity() const noexcept { return capacity_; }
   std::int64_t head_dim() const noexcept { return D_; }
   std::int64_t head_dim_v() const noexcept { return Dv_; }
+  /// The storage dtype of the keys (the codes' dtype for a quantized format).
   DType dtype() const noexcept { return dtype_; }
+  KVFormat k_format() const noexcept { return kf_; }
+  KVFormat v_format() const noexcept { return vf_; }
+  /// Scales of a quantized K / V (see the constructor); empty views for float formats.
+  TensorView key_scales() const { return ks_.view(); }
+  TensorView value_scales() const { return vs_.view(); }
+  /// Sequence 0's first `length` positions as packed [length, Hkv, D] operands with their scales
+  /// (views into the storage; add b * Hkv * capacity rows for sequence b).
+  QuantizedKV quantized_keys(std::int64_t length) const;
+  QuantizedKV quantized_values(std::int64_t length) const;
+  /// Per-head fp8 scales of K and V ([Hkv] each; ignored for other formats).
+  /// @throws qkv::Error unless the cache is empty, for sizes other than Hkv or a scale not finite and > 0.
+  void set_fp8_scales(std::span<const float> k_scales, std::span<const float> v_scales);
 
   /// Number of cached positions of sequence b. @throws qkv::Error if b is out of [0, B).
   std::int64_t length(std::int64_t b) const;
@@ -112,8 +137,14 @@ class KVCache {
 
  private:
   std::int64_t B_ = 0, Hkv_ = 0, capacity_ = 0, D_ = 0, Dv_ = 0;
+  void append_quantized(const TensorView& k, const TensorView& v, std::span<const std::int64_t> counts);
+  void attend_quantized(const TensorView& q, const TensorView& out, const AttentionParams& params,
+                        const std::optional<TensorView>& softmax_lse);
+  TensorView scales_view(const Tensor& sc, KVFormat f, std::int64_t length, std::int64_t nb) const;
   DType dtype_ = DType::f32;
-  Tensor k_, v_;
+  KVFormat kf_ = KVFormat::f32, vf_ = KVFormat::f32;
+  bool quant_ = false;  // a quantized or mixed-format cache: attend() runs attend_quantized()
+  Tensor k_, v_, ks_, vs_;
   std::vector<std::int64_t> lengths_;
   Tensor scratch_k_, scratch_v_;       // copies in q's dtype for attend() when it differs
   std::vector<std::int64_t> widened_;  // per sequence: positions [0, widened_) of the copies are current

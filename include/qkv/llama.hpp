@@ -35,6 +35,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/llama2c.hpp"
 #include "qkv/rope.hpp"
 #include "qkv/tensor.hpp"
@@ -57,6 +58,12 @@ struct LlamaOptions {
   /// attention_kernel automatic): every position's bits are then those LlamaBatch computes for
   /// the same sequence in any batch (qkv generate uses it, so --prompts reproduces --prompt).
   bool batch_invariant = false;
+  /// Formats of the cached keys and values (qkv/kv_quant.hpp): f32 (default), bf16, f16, int8,
+  /// q8_0, fp8 (per-head scale 1). Quantized caches attend through the serving kernel on the
+  /// codes (attention_kernel automatic, or reference on the dequantized values); keys(),
+  /// values() and layer_attention() need f32.
+  KVFormat kv_k_format = KVFormat::f32;
+  KVFormat kv_v_format = KVFormat::f32;
 };
 
 /// A Llama-2 model with its per-layer KV caches (batch 1): feed tokens, read logits.

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/rope.hpp"
 #include "qkv/tensor.hpp"
 
@@ -44,16 +45,38 @@ class PagedKVCache {
   ///         unsupported dtype, or a byte size that overflows.
   PagedKVCache(std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads, std::int64_t head_dim,
                DType dtype = DType::f32, std::int64_t head_dim_v = 0);
+  /// The same with K and V each in its own format (qkv/kv_quant.hpp): f32, bf16, f16, or the
+  /// quantized int8, q8_0, fp8. Quantized pools hold the codes ([num_blocks, Hkv, block_size, D]
+  /// int8 or uint8) and their scales (key_scales(), value_scales()); write() quantizes each new
+  /// row (round to nearest even, saturating) and refuses NaN and infinities, naming the token and
+  /// head. fp8's per-head scales start at 1 (set_fp8_scales). forward() attends directly on the
+  /// codes (attention_paged over QuantizedKV, batch invariant as the float pools).
+  /// @throws qkv::Error as the constructor above.
+  PagedKVCache(std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads, std::int64_t head_dim,
+               KVFormat k_format, KVFormat v_format, std::int64_t head_dim_v = 0);
 
   std::int64_t num_blocks() const noexcept { return num_blocks_; }
   std::int64_t block_size() const noexcept { return block_size_; }
   std::int64_t num_kv_heads() const noexcept { return Hkv_; }
   std::int64_t head_dim() const noexcept { return D_; }
   std::int64_t head_dim_v() const noexcept { return Dv_; }
+  /// Dtype of the key pool's elements (int8 / uint8 codes for a quantized format).
   DType dtype() const noexcept { return dtype_; }
-  /// The pools, [num_blocks, Hkv, block_size, D] and [..., Dv], writable.
+  KVFormat k_format() const noexcept { return kf_; }
+  KVFormat v_format() const noexcept { return vf_; }
+  /// The pools, [num_blocks, Hkv, block_size, D] and [..., Dv], writable (codes when quantized).
   TensorView key_pool() const { return k_.view(); }
   TensorView value_pool() const { return v_.view(); }
+  /// Scales of quantized pools (kv_scales_shape of the pool; empty for float formats).
+  TensorView key_scales() const { return ks_.view(); }
+  TensorView value_scales() const { return vs_.view(); }
+  /// Pools and scales as attention_paged's operands.
+  QuantizedKV keys() const { return {kf_, k_.view(), ks_.view()}; }
+  QuantizedKV values() const { return {vf_, v_.view(), vs_.view()}; }
+  /// Per-head scales of fp8 K and V ([Hkv] each; ignored for another format): stored values are
+  /// x / scale in e4m3 (range +-448). @throws qkv::Error unless every block is free, for sizes
+  /// other than Hkv, or a scale not finite and > 0.
+  void set_fp8_scales(std::span<const float> k_scales, std::span<const float> v_scales);
   /// Blocks on the free list.
   std::int64_t num_free_blocks() const noexcept { return static_cast<std::int64_t>(free_.size()); }
 
@@ -109,7 +132,8 @@ class PagedKVCache {
   const Seq& live(std::int64_t seq) const;
   std::int64_t num_blocks_ = 0, block_size_ = 0, Hkv_ = 0, D_ = 0, Dv_ = 0;
   DType dtype_ = DType::f32;
-  Tensor k_, v_;
+  KVFormat kf_ = KVFormat::f32, vf_ = KVFormat::f32;
+  Tensor k_, v_, ks_, vs_;
   std::vector<std::int32_t> free_;   // a stack: the last freed block is taken first
   std::vector<Seq> seqs_;
   std::vector<std::int64_t> free_ids_;

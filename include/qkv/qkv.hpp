@@ -7,6 +7,7 @@
 #include "qkv/explain.hpp"
 #include "qkv/info.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/llama.hpp"
 #include "qkv/llama2c.hpp"
 #include "qkv/mha.hpp"

@@ -5,7 +5,7 @@
 /// Strides are in elements, not bytes. A view may have any strides (zero for broadcast axes);
 /// the attention entry points require a contiguous last dimension. dtypes: float32, float64,
 /// float16 and bfloat16 (storage only: arithmetic is done in float32 or float64), plus bool,
-/// int32 and int64 for masks and lengths.
+/// int32 and int64 for masks and lengths, int8 and uint8 for quantized KV caches (kv_quant.hpp).
 
 #include <cstddef>
 #include <cstdint>
@@ -18,11 +18,12 @@
 namespace qkv {
 
 /// Element types. f16 is IEEE 754 binary16; bf16 is the upper half of a binary32.
-enum class DType : std::uint8_t { f32, f64, f16, bf16, b8, i32, i64 };
+enum class DType : std::uint8_t { f32, f64, f16, bf16, b8, i32, i64, i8, u8 };
 
 /// Bytes per element.
 std::size_t dtype_size(DType dtype) noexcept;
-/// Short name: "float32", "float64", "float16", "bfloat16", "bool", "int32", "int64".
+/// Short name: "float32", "float64", "float16", "bfloat16", "bool", "int32", "int64", "int8",
+/// "uint8".
 std::string_view dtype_name(DType dtype) noexcept;
 
 using Shape = std::vector<std::int64_t>;

@@ -45,6 +45,7 @@
 #include <optional>
 
 #include "qkv/attention.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv {
@@ -89,6 +90,28 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
 ///   num_blocks/Hkv/block_size, a seq_lens entry < Sq_b or > max_blocks * block_size, a block
 ///   table entry out of [0, num_blocks) among a sequence's blocks, top_left alignment.
 void attention_paged(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool,
+                     const TensorView& out, const TensorView& cu_seqlens_q, const TensorView& seq_lens,
+                     const TensorView& block_table, const AttentionParams& params = {},
+                     const std::optional<TensorView>& softmax_lse = std::nullopt);
+
+/// attention_varlen and attention_paged over keys and values in any format of qkv/kv_quant.hpp,
+/// K and V each in its own (int8, q8_0, fp8, or float32/bfloat16/float16): k [total_k, Hkv, D]
+/// and v [total_k, Hkv, Dv] packed, or the pools [num_blocks, Hkv, block_size, D|Dv], with their
+/// scales. q is float32, bfloat16 or float16. The result is attention over the dequantized
+/// values (code * scale in float32): the serving kernel decodes each key and value row once per
+/// work item (all query heads of a KV head and up to 16 tokens share it), so its bits equal
+/// those it computes over float32 copies of the dequantized cache, and keep every guarantee of
+/// batch invariance above. kernel = reference runs the float64 specification on the
+/// dequantized values. K and V in one float format of q's dtype take the float form above (any
+/// kernel); other mixes of float formats (e.g. float32 q over bfloat16 K and V) the serving kernel.
+/// @throws qkv::Error as the float forms, for operands that do not match their format
+///   (dtype, scales shape, dtype or layout, fp8 scales not finite and > 0), float64 q, or a
+///   kernel other than automatic and reference.
+void attention_varlen(const TensorView& q, const QuantizedKV& k, const QuantizedKV& v, const TensorView& out,
+                      const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                      const AttentionParams& params = {},
+                      const std::optional<TensorView>& softmax_lse = std::nullopt);
+void attention_paged(const TensorView& q, const QuantizedKV& k_pool, const QuantizedKV& v_pool,
                      const TensorView& out, const TensorView& cu_seqlens_q, const TensorView& seq_lens,
                      const TensorView& block_table, const AttentionParams& params = {},
                      const std::optional<TensorView>& softmax_lse = std::nullopt);

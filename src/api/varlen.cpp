@@ -3,6 +3,7 @@
 // sequence on B = 1 views of the packed tensors.
 #include "qkv/varlen.hpp"
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -27,6 +28,44 @@ TensorView seq_view(const TensorView& t, i64 start, i64 len) {
 TensorView lse_view(const TensorView& t, i64 start, i64 len) {
   char* base = static_cast<char*>(t.data()) + start * t.stride(1) * static_cast<i64>(dtype_size(t.dtype()));
   return TensorView(t.size(1) ? base : t.data(), t.dtype(), {1, t.size(0), len}, {0, t.stride(0), t.stride(1)});
+}
+
+// The float64 specification over keys read through the problem's addressing (packed or paged, any
+// format): each sequence's keys and values gathered (dequantized: code * scale in float32, then
+// widened) into float64 copies, and one qkv::attention call with the reference kernel.
+void reference_gathered(const detail::VarlenProblem& vp, const TensorView& q, const TensorView& out,
+                        const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+  const detail::Problem& p = vp.p;
+  std::vector<float> row(static_cast<std::size_t>(std::max(p.D, p.Dv)));
+  auto gather = [&](const detail::Operand& x, const detail::KVCodec& c, i64 b, i64 h, i64 j, i64 n, double* dst) {
+    const i64 off = vp.key_off(x, b, h, j);
+    if (c.scales) {
+      detail::decode_row(c, x.data, off, h, row.data());
+      detail::convert_row(row.data(), DType::f32, dst, DType::f64, n);
+    } else {
+      detail::convert_row(static_cast<const char*>(x.data) + off * static_cast<i64>(dtype_size(x.dtype)), x.dtype, dst,
+                          DType::f64, n);
+    }
+  };
+  for (i64 b = 0; b < vp.batch(); ++b) {
+    const i64 q0 = vp.cu_q[b], sq = vp.seq_q(b), sk = vp.seq_k[b];
+    Tensor qd(DType::f64, {1, p.Hq, sq, p.D}), kd(DType::f64, {1, p.Hkv, sk, p.D}), vd(DType::f64, {1, p.Hkv, sk, p.Dv});
+    const TensorView qs = seq_view(q, q0, sq);
+    for (i64 h = 0; h < p.Hq; ++h)
+      for (i64 i = 0; i < sq; ++i)
+        detail::convert_row(static_cast<const char*>(qs.data()) + (h * qs.stride(1) + i * qs.stride(2)) * dtype_size(q.dtype()),
+                            q.dtype(), qd.data_as<double>() + (h * sq + i) * p.D, DType::f64, p.D);
+    for (i64 h = 0; h < p.Hkv; ++h)
+      for (i64 j = 0; j < sk; ++j) {
+        gather(p.k, vp.kc, b, h, j, p.D, kd.data_as<double>() + (h * sk + j) * p.D);
+        gather(p.v, vp.vc, b, h, j, p.Dv, vd.data_as<double>() + (h * sk + j) * p.Dv);
+      }
+    std::optional<TensorView> lse;
+    if (softmax_lse) lse = lse_view(*softmax_lse, q0, sq);
+    AttentionParams rp = params;
+    rp.kernel = KernelKind::reference;
+    attention(qd, kd, vd, seq_view(out, q0, sq), rp, lse);
+  }
 }
 
 }  // namespace
@@ -79,27 +118,35 @@ void attention_paged(const TensorView& q, const TensorView& k_pool, const Tensor
     detail::serving_kernel(vp);
     return;
   }
-  // The float64 specification: each sequence's keys gathered into float64 copies.
-  const detail::Problem& p = vp.p;
-  for (i64 b = 0; b < vp.batch(); ++b) {
-    const i64 q0 = vp.cu_q[b], sq = vp.seq_q(b), sk = vp.seq_k[b];
-    Tensor qd(DType::f64, {1, p.Hq, sq, p.D}), kd(DType::f64, {1, p.Hkv, sk, p.D}), vd(DType::f64, {1, p.Hkv, sk, p.Dv});
-    const TensorView qs = seq_view(q, q0, sq);
-    for (i64 h = 0; h < p.Hq; ++h)
-      for (i64 i = 0; i < sq; ++i)
-        detail::convert_row(static_cast<const char*>(qs.data()) + (h * qs.stride(1) + i * qs.stride(2)) * dtype_size(q.dtype()),
-                            q.dtype(), qd.data_as<double>() + (h * sq + i) * p.D, DType::f64, p.D);
-    for (i64 h = 0; h < p.Hkv; ++h)
-      for (i64 j = 0; j < sk; ++j) {
-        detail::convert_row(static_cast<const char*>(p.k.data) + vp.key_off(p.k, b, h, j) * dtype_size(p.k.dtype), p.k.dtype,
-                            kd.data_as<double>() + (h * sk + j) * p.D, DType::f64, p.D);
-        detail::convert_row(static_cast<const char*>(p.v.data) + vp.key_off(p.v, b, h, j) * dtype_size(p.v.dtype), p.v.dtype,
-                            vd.data_as<double>() + (h * sk + j) * p.Dv, DType::f64, p.Dv);
-      }
-    std::optional<TensorView> lse;
-    if (softmax_lse) lse = lse_view(*softmax_lse, q0, sq);
-    attention(qd, kd, vd, seq_view(out, q0, sq), params, lse);
+  reference_gathered(vp, q, out, params, softmax_lse);
+}
+
+void attention_paged(const TensorView& q, const QuantizedKV& k_pool, const QuantizedKV& v_pool, const TensorView& out,
+                     const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
+                     const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+  const detail::VarlenProblem vp =
+      detail::lower_paged(q, k_pool, v_pool, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse);
+  if (params.kernel != KernelKind::reference) {
+    detail::serving_kernel(vp);
+    return;
   }
+  reference_gathered(vp, q, out, params, softmax_lse);
+}
+
+void attention_varlen(const TensorView& q, const QuantizedKV& k, const QuantizedKV& v, const TensorView& out,
+                      const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k, const AttentionParams& params,
+                      const std::optional<TensorView>& softmax_lse) {
+  // Float keys and values of q's dtype: the float form (float64 and forced kernels included).
+  if (!kv_format_quantized(k.format) && k.format == v.format && k.data.dtype() == q.dtype()) {
+    attention_varlen(q, k.data, v.data, out, cu_seqlens_q, cu_seqlens_k, params, softmax_lse);
+    return;
+  }
+  const detail::VarlenProblem vp = detail::lower_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, params, softmax_lse);
+  if (params.kernel != KernelKind::reference) {
+    detail::serving_kernel(vp);
+    return;
+  }
+  reference_gathered(vp, q, out, params, softmax_lse);
 }
 
 }  // namespace qkv

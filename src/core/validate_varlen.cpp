@@ -123,9 +123,13 @@ VarlenProblem lower_varlen(const TensorView& q, const TensorView& k, const Tenso
   return vp;
 }
 
-VarlenProblem lower_paged(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool, const TensorView& out,
-                          const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
-                          const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+namespace {
+
+// lower_paged for float pools (kc == nullptr) or pools in any format (kc, vc checked by make_codec).
+VarlenProblem lower_paged_impl(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool, const TensorView& out,
+                               const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
+                               const AttentionParams& params, const std::optional<TensorView>& softmax_lse,
+                               const KVCodec* kc, const KVCodec* vc) {
   check_rank3(q, "q", "[total_q,Hq,D]");
   check_rank4(k_pool, "k_pool", "[num_blocks,Hkv,block_size,D]");
   check_rank4(v_pool, "v_pool", "[num_blocks,Hkv,block_size,Dv]");
@@ -144,9 +148,9 @@ VarlenProblem lower_paged(const TensorView& q, const TensorView& k_pool, const T
   if (params.align != Alignment::bottom_right)
     throw Error("align: expected bottom_right for attention_paged (new tokens sit at the end of their sequence), got top_left");
   const DType pd = k_pool.dtype();
-  if (pd != DType::f32 && pd != DType::bf16 && pd != DType::f16)
+  if (!kc && pd != DType::f32 && pd != DType::bf16 && pd != DType::f16)
     throw Error("k_pool: expected dtype float32, float16 or bfloat16, got " + std::string(dtype_name(pd)));
-  if (v_pool.dtype() != pd)
+  if (!kc && v_pool.dtype() != pd)
     throw Error("v_pool: expected dtype " + std::string(dtype_name(pd)) + " (the dtype of k_pool), got " +
                 std::string(dtype_name(v_pool.dtype())));
   if (q.dtype() != DType::f32 && q.dtype() != DType::bf16 && q.dtype() != DType::f16)
@@ -170,7 +174,8 @@ VarlenProblem lower_paged(const TensorView& q, const TensorView& k_pool, const T
   p.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
   p.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
   p.k = {k_pool.data(), pd, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)};
-  p.v = {v_pool.data(), pd, v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)};
+  p.v = {v_pool.data(), v_pool.dtype(), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)};
+  if (kc) { vp.kc = *kc; vp.vc = *vc; }
 
   vp.cu_q = read_cu(cu_seqlens_q, "cu_seqlens_q", -1, q.size(0), "total_q");
   const std::int64_t batch = static_cast<std::int64_t>(vp.cu_q.size()) - 1;
@@ -208,6 +213,98 @@ VarlenProblem lower_paged(const TensorView& q, const TensorView& k_pool, const T
     check_no_overlap(out, "out", *t, n);
     if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *t, n);
   }
+  return vp;
+}
+
+std::string kv_formats(const QuantizedKV& k, const QuantizedKV& v) {
+  return std::string(kv_format_name(k.format)) + "/" + std::string(kv_format_name(v.format));
+}
+
+// The scales must not overlap the outputs either.
+void check_scales_overlap(const QuantizedKV& x, const char* name, const TensorView& out,
+                          const std::optional<TensorView>& softmax_lse) {
+  if (!kv_format_quantized(x.format) || x.scales.numel() == 0) return;
+  check_no_overlap(out, "out", x.scales, name);
+  if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", x.scales, name);
+}
+
+}  // namespace
+
+VarlenProblem lower_paged(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool, const TensorView& out,
+                          const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
+                          const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+  return lower_paged_impl(q, k_pool, v_pool, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse, nullptr,
+                          nullptr);
+}
+
+VarlenProblem lower_paged(const TensorView& q, const QuantizedKV& k_pool, const QuantizedKV& v_pool,
+                          const TensorView& out, const TensorView& cu_seqlens_q, const TensorView& seq_lens,
+                          const TensorView& block_table, const AttentionParams& params,
+                          const std::optional<TensorView>& softmax_lse) {
+  if (!kv_format_quantized(k_pool.format) && !kv_format_quantized(v_pool.format) && k_pool.format == v_pool.format)
+    return lower_paged(q, k_pool.data, v_pool.data, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse);
+  check_rank4(k_pool.data, "k_pool", "[num_blocks,Hkv,block_size,D]");
+  check_rank4(v_pool.data, "v_pool", "[num_blocks,Hkv,block_size,Dv]");
+  const KVCodec kc = make_codec(k_pool, "k_pool"), vc = make_codec(v_pool, "v_pool");
+  check_scales_overlap(k_pool, "k_pool scales", out, softmax_lse);
+  check_scales_overlap(v_pool, "v_pool scales", out, softmax_lse);
+  return lower_paged_impl(q, k_pool.data, v_pool.data, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse,
+                          &kc, &vc);
+}
+
+VarlenProblem lower_varlen(const TensorView& q, const QuantizedKV& k, const QuantizedKV& v, const TensorView& out,
+                           const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                           const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+  if (!kv_format_quantized(k.format) && k.format == v.format && k.data.dtype() == q.dtype())
+    return lower_varlen(q, k.data, v.data, out, cu_seqlens_q, cu_seqlens_k, params, softmax_lse);
+  check_rank3(q, "q", "[total_q,Hq,D]");
+  check_rank3(k.data, "k", "[total_k,Hkv,D]");
+  check_rank3(v.data, "v", "[total_k,Hkv,Dv]");
+  const KVCodec kc = make_codec(k, "k"), vc = make_codec(v, "v");
+  check_rank3(out, "out", "[total_q,Hq,Dv]");
+  expect_size(k.data, "k", "[total_k,Hkv,D]", 2, "D", q.size(2), "q.D");
+  expect_size(v.data, "v", "[total_k,Hkv,Dv]", 0, "total_k", k.data.size(0), "k.total_k");
+  expect_size(v.data, "v", "[total_k,Hkv,Dv]", 1, "Hkv", k.data.size(1), "k.Hkv");
+  expect_size(out, "out", "[total_q,Hq,Dv]", 0, "total_q", q.size(0), "q.total_q");
+  expect_size(out, "out", "[total_q,Hq,Dv]", 1, "Hq", q.size(1), "q.Hq");
+  expect_size(out, "out", "[total_q,Hq,Dv]", 2, "Dv", v.data.size(2), "v.Dv");
+  check_lse(softmax_lse, q.size(1), q.size(0));
+  refuse_per_batch_options(params, "attention_varlen");
+  if (q.dtype() != DType::f32 && q.dtype() != DType::bf16 && q.dtype() != DType::f16)
+    throw Error("q: expected dtype float32, float16 or bfloat16 over K/V in formats " + kv_formats(k, v) + ", got " +
+                std::string(dtype_name(q.dtype())));
+  if (params.kernel != KernelKind::automatic && params.kernel != KernelKind::reference)
+    throw Error("kernel: expected automatic or reference over K/V in formats " + kv_formats(k, v) + ", got another kernel");
+  // Options, q, out and softmax_lse through lower_attention with empty stand-ins for K and V.
+  const std::int64_t Hkv = k.data.size(1), T = k.data.size(0);
+  TensorView k0(k.data.data(), q.dtype(), {1, Hkv, 0, q.size(2)});
+  TensorView v0(v.data.data(), q.dtype(), {1, Hkv, 0, v.data.size(2)});
+  std::optional<TensorView> lse4;
+  if (softmax_lse) lse4 = as_bhs(*softmax_lse);
+  VarlenProblem vp;
+  vp.p = lower_attention(as_bhsd(q), k0, v0, as_bhsd(out), params, lse4, std::nullopt);
+  Problem& p = vp.p;
+  p.Sk = T;
+  const EffectiveWindow w = effective_window(params);
+  const std::int64_t wide = p.Sq + p.Sk + 1;
+  p.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
+  p.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
+  p.k = {k.data.data(), k.data.dtype(), 0, k.data.stride(1), k.data.stride(0)};
+  p.v = {v.data.data(), v.data.dtype(), 0, v.data.stride(1), v.data.stride(0)};
+  vp.kc = kc;
+  vp.vc = vc;
+  vp.cu_q = read_cu(cu_seqlens_q, "cu_seqlens_q", -1, q.size(0), "total_q");
+  vp.cu_k = read_cu(cu_seqlens_k, "cu_seqlens_k", static_cast<std::int64_t>(vp.cu_q.size()), T, "total_k");
+  vp.seq_k.resize(vp.cu_q.size() - 1);
+  for (std::size_t b = 0; b < vp.seq_k.size(); ++b) vp.seq_k[b] = vp.cu_k[b + 1] - vp.cu_k[b];
+  const std::pair<const TensorView*, const char*> inputs[] = {
+      {&k.data, "k"}, {&v.data, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}};
+  for (const auto& [t, n] : inputs) {
+    check_no_overlap(out, "out", *t, n);
+    if (softmax_lse) check_no_overlap(*softmax_lse, "softmax_lse", *t, n);
+  }
+  check_scales_overlap(k, "k scales", out, softmax_lse);
+  check_scales_overlap(v, "v scales", out, softmax_lse);
   return vp;
 }
 

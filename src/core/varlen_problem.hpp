@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/problem.hpp"
+#include "tensor/kv_codec.hpp"
 
 namespace qkv::detail {
 
@@ -23,6 +24,10 @@ struct VarlenProblem {
   std::int64_t block_size = 0;
   const std::int32_t* block_table = nullptr;
   std::int64_t bt_stride = 0, bt_col_stride = 1;
+  // Quantized keys / values (int8, q8_0, fp8): p.k / p.v hold the codes (int8 or uint8), these
+  // say how to decode a row. Float K and V leave the default (format f32, no scales) and are read
+  // by their dtype.
+  KVCodec kc, vc;
 
   std::int64_t batch() const noexcept { return static_cast<std::int64_t>(seq_k.size()); }
   std::int64_t seq_q(std::int64_t b) const noexcept { return cu_q[b + 1] - cu_q[b]; }

@@ -281,6 +281,8 @@ void write_npy(const std::filesystem::path& path, const TensorView& t) {
     case DType::f16: descr = "<f2"; break;
     case DType::b8: descr = "|b1"; break;
     case DType::i32: descr = "<i4"; break;
+    case DType::i8: descr = "|i1"; break;
+    case DType::u8: descr = "|u1"; break;
     case DType::i64: descr = "<i8"; break;
     case DType::bf16: throw Error(path.string() + ": bfloat16 has no .npy dtype; convert to float32 first");
   }

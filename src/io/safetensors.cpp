@@ -79,6 +79,10 @@ std::string dtype_tag(DType d) {
       return "I64";
     case DType::b8:
       return "BOOL";
+    case DType::i8:
+      return "I8";
+    case DType::u8:
+      return "U8";
   }
   return "?";
 }

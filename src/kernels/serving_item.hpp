@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "kernels/serving.hpp"
+#include "tensor/kv_codec.hpp"
 
 namespace qkv::detail::QKV_SERVING_NS {
 
@@ -167,7 +168,11 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       for (i64 x = 0; x < 4; ++x) {
         const i64 off = vp.key_off(p.k, b, hk, j + std::min(x, nk - 1));
         if (p.k.dtype == DType::f32) kp[x] = static_cast<const float*>(p.k.data) + off;
-        else if (x < nk) { to_f32(p.k.data, p.k.dtype, off, kf + x * D, D); kp[x] = kf + x * D; }
+        else if (x < nk) {
+          if (vp.kc.scales) decode_row(vp.kc, p.k.data, off, hk, kf + x * D);
+          else to_f32(p.k.data, p.k.dtype, off, kf + x * D, D);
+          kp[x] = kf + x * D;
+        }
         else kp[x] = kp[nk - 1];
       }
       for (i64 r = 0; r < R; ++r) {
@@ -210,7 +215,11 @@ inline void run_item(const VarlenProblem& vp, const ServingItem& it, const Servi
       for (i64 x = 0; x < 4; ++x) {
         const i64 off = vp.key_off(p.v, b, hk, j + std::min(x, nk - 1));
         if (p.v.dtype == DType::f32) vv[x] = static_cast<const float*>(p.v.data) + off;
-        else if (x < nk) { to_f32(p.v.data, p.v.dtype, off, vf + x * Dv, Dv); vv[x] = vf + x * Dv; }
+        else if (x < nk) {
+          if (vp.vc.scales) decode_row(vp.vc, p.v.data, off, hk, vf + x * Dv);
+          else to_f32(p.v.data, p.v.dtype, off, vf + x * Dv, Dv);
+          vv[x] = vf + x * Dv;
+        }
         else vv[x] = vv[nk - 1];
       }
       for (i64 r = 0; r < R; ++r) {

@@ -3,10 +3,14 @@
 #include "qkv/kv_cache.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <string>
 
 #include "qkv/error.hpp"
+#include "qkv/varlen.hpp"
 #include "tensor/convert.hpp"
+#include "tensor/kv_codec.hpp"
 
 namespace qkv {
 namespace {
@@ -57,6 +61,60 @@ KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t cap
   widened_.assign(static_cast<std::size_t>(B_), 0);
 }
 
+KVCache::KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t capacity, std::int64_t head_dim,
+                 KVFormat k_format, KVFormat v_format, std::int64_t head_dim_v)
+    : KVCache(batch, num_kv_heads, capacity, head_dim, kv_format_quantized(k_format) ? DType::f32 : kv_format_dtype(k_format),
+              head_dim_v) {
+  kf_ = k_format;
+  vf_ = v_format;
+  if (kf_ == kv_format_of(dtype_, "dtype") && vf_ == kf_) return;  // one float format: as the dtype constructor
+  quant_ = true;
+  dtype_ = kv_format_dtype(kf_);
+  k_ = Tensor(kv_format_dtype(kf_), {B_, Hkv_, capacity_, D_});
+  v_ = Tensor(kv_format_dtype(vf_), {B_, Hkv_, capacity_, Dv_});
+  ks_ = Tensor(kv_scales_dtype(kf_), kv_scales_shape(kf_, k_.shape()));
+  vs_ = Tensor(kv_scales_dtype(vf_), kv_scales_shape(vf_, v_.shape()));
+  if (kf_ == KVFormat::fp8) std::fill_n(ks_.data_as<float>(), Hkv_, 1.0f);
+  if (vf_ == KVFormat::fp8) std::fill_n(vs_.data_as<float>(), Hkv_, 1.0f);
+}
+
+void KVCache::set_fp8_scales(std::span<const float> k_scales, std::span<const float> v_scales) {
+  if (max_length() != 0)
+    throw Error("kv_cache: set_fp8_scales: expected an empty cache (scales change the meaning of stored codes), got " +
+                std::to_string(max_length()) + " positions");
+  const std::pair<std::span<const float>, const char*> args[] = {{k_scales, "k_scales"}, {v_scales, "v_scales"}};
+  for (const auto& [sc, name] : args) {
+    if (static_cast<std::int64_t>(sc.size()) != Hkv_)
+      throw Error(std::string("kv_cache: ") + name + ": expected Hkv = " + std::to_string(Hkv_) + " scales, got " +
+                  std::to_string(sc.size()));
+    for (std::size_t h = 0; h < sc.size(); ++h)
+      if (!(std::isfinite(sc[h]) && sc[h] > 0.0f))
+        throw Error(std::string("kv_cache: ") + name + ": expected finite scales > 0, got " + std::to_string(sc[h]) +
+                    " at head " + std::to_string(h));
+  }
+  if (kf_ == KVFormat::fp8) std::copy(k_scales.begin(), k_scales.end(), ks_.data_as<float>());
+  if (vf_ == KVFormat::fp8) std::copy(v_scales.begin(), v_scales.end(), vs_.data_as<float>());
+}
+
+QuantizedKV KVCache::quantized_keys(std::int64_t length) const {
+  const std::int64_t nb = kf_ == KVFormat::q8_0 ? (D_ + kQ8Block - 1) / kQ8Block : 1;
+  return {kf_, TensorView(k_.data(), k_.dtype(), {length, Hkv_, D_}, {D_, capacity_ * D_, 1}),
+          scales_view(ks_, kf_, length, nb)};
+}
+
+QuantizedKV KVCache::quantized_values(std::int64_t length) const {
+  const std::int64_t nb = vf_ == KVFormat::q8_0 ? (Dv_ + kQ8Block - 1) / kQ8Block : 1;
+  return {vf_, TensorView(v_.data(), v_.dtype(), {length, Hkv_, Dv_}, {Dv_, capacity_ * Dv_, 1}),
+          scales_view(vs_, vf_, length, nb)};
+}
+
+TensorView KVCache::scales_view(const Tensor& sc, KVFormat f, std::int64_t length, std::int64_t nb) const {
+  if (f == KVFormat::fp8) return sc.view();
+  if (f == KVFormat::int8) return TensorView(sc.data(), DType::f32, {length, Hkv_}, {1, capacity_});
+  if (f == KVFormat::q8_0) return TensorView(sc.data(), DType::f16, {length, Hkv_, nb}, {nb, capacity_ * nb, 1});
+  return {};
+}
+
 std::int64_t KVCache::length(std::int64_t b) const {
   if (b < 0 || b >= B_)
     throw Error("kv_cache: b: expected a sequence index in [0, " + std::to_string(B_) + "), got " + std::to_string(b));
@@ -70,12 +128,12 @@ std::int64_t KVCache::max_length() const noexcept {
 }
 
 TensorView KVCache::active_keys() const {
-  return TensorView(k_.data(), dtype_, {B_, Hkv_, max_length(), D_},
+  return TensorView(k_.data(), k_.dtype(), {B_, Hkv_, max_length(), D_},
                     {Hkv_ * capacity_ * D_, capacity_ * D_, D_, 1});
 }
 
 TensorView KVCache::active_values() const {
-  return TensorView(v_.data(), dtype_, {B_, Hkv_, max_length(), Dv_},
+  return TensorView(v_.data(), v_.dtype(), {B_, Hkv_, max_length(), Dv_},
                     {Hkv_ * capacity_ * Dv_, capacity_ * Dv_, Dv_, 1});
 }
 
@@ -116,6 +174,10 @@ void KVCache::append(const TensorView& k, const TensorView& v, std::span<const s
       throw Error("kv_cache: append of " + std::to_string(n) + " tokens to sequence " + std::to_string(b) + " at length " + std::to_string(len) +
                   " exceeds the capacity " + std::to_string(capacity_) + " (" + std::to_string(len + n) + " > " + std::to_string(capacity_) + ")");
   }
+  if (quant_) {
+    append_quantized(k, v, counts);
+    return;
+  }
   const std::size_t es = dtype_size(dtype_);
   const std::size_t kes = dtype_size(k.dtype()), ves = dtype_size(v.dtype());
   auto* kd = static_cast<char*>(k_.data());
@@ -140,6 +202,109 @@ void KVCache::append(const TensorView& k, const TensorView& v, std::span<const s
   }
 }
 
+void KVCache::append_quantized(const TensorView& k, const TensorView& v, std::span<const std::int64_t> counts) {
+  const std::int64_t S = k.size(2);
+  std::vector<float> row(static_cast<std::size_t>(std::max(D_, Dv_)));
+  const struct { const TensorView* x; KVFormat f; std::int64_t n; const char* name; const Tensor* store; const Tensor* sc; } parts[] = {
+      {&k, kf_, D_, "k", &k_, &ks_}, {&v, vf_, Dv_, "v", &v_, &vs_}};
+  auto src = [](const TensorView& x, std::int64_t b, std::int64_t h, std::int64_t r) {
+    return static_cast<const char*>(x.data()) +
+           (b * x.stride(0) + h * x.stride(1) + r * x.stride(2)) * static_cast<std::int64_t>(dtype_size(x.dtype()));
+  };
+  // Every new value is checked before anything is written: NaN and infinities have no code.
+  for (const auto& pt : parts) {
+    if (!kv_format_quantized(pt.f)) continue;
+    for (std::int64_t b = 0; b < B_; ++b) {
+      const std::int64_t n = counts.empty() ? S : counts[static_cast<std::size_t>(b)];
+      for (std::int64_t h = 0; h < Hkv_; ++h)
+        for (std::int64_t t = 0; t < n; ++t) {
+          detail::convert_row(src(*pt.x, b, h, S - n + t), pt.x->dtype(), row.data(), DType::f32, pt.n);
+          const std::int64_t bad = detail::first_nonfinite(row.data(), pt.n);
+          if (bad >= 0)
+            throw Error(std::string("kv_cache: ") + pt.name + ": expected finite values for the " +
+                        std::string(kv_format_name(pt.f)) + " cache, got " + std::to_string(row[static_cast<std::size_t>(bad)]) +
+                        " at batch " + std::to_string(b) + ", token " + std::to_string(S - n + t) + ", head " + std::to_string(h));
+        }
+    }
+  }
+  for (std::int64_t b = 0; b < B_; ++b) {
+    const std::int64_t n = counts.empty() ? S : counts[static_cast<std::size_t>(b)];
+    const std::int64_t len = lengths_[static_cast<std::size_t>(b)];
+    for (const auto& pt : parts)
+      for (std::int64_t h = 0; h < Hkv_; ++h)
+        for (std::int64_t t = 0; t < n; ++t) {
+          const std::int64_t slot = (b * Hkv_ + h) * capacity_ + len + t;
+          char* dst = static_cast<char*>(pt.store->data()) + slot * pt.n * static_cast<std::int64_t>(dtype_size(pt.store->dtype()));
+          if (!kv_format_quantized(pt.f)) {
+            detail::convert_row(src(*pt.x, b, h, S - n + t), pt.x->dtype(), dst, pt.store->dtype(), pt.n);
+            continue;
+          }
+          detail::convert_row(src(*pt.x, b, h, S - n + t), pt.x->dtype(), row.data(), DType::f32, pt.n);
+          const std::int64_t nb = pt.f == KVFormat::q8_0 ? (pt.n + kQ8Block - 1) / kQ8Block : 1;
+          void* sc = pt.f == KVFormat::fp8 ? nullptr
+                                           : static_cast<char*>(pt.sc->data()) + slot * nb * static_cast<std::int64_t>(dtype_size(pt.sc->dtype()));
+          const float fs = pt.f == KVFormat::fp8 ? pt.sc->data_as<const float>()[h] : 0.0f;
+          detail::encode_row(pt.f, row.data(), pt.n, dst, sc, fs);
+        }
+    lengths_[static_cast<std::size_t>(b)] = len + n;
+  }
+}
+
+// Attention over a quantized (or mixed-format) cache: the serving kernel directly on the codes,
+// one attention_varlen call per sequence over its first length(b) positions.
+void KVCache::attend_quantized(const TensorView& q, const TensorView& out, const AttentionParams& params,
+                               const std::optional<TensorView>& softmax_lse) {
+  if (params.mask)
+    throw Error("kv_cache: params.mask: expected none for a cache in formats " + std::string(kv_format_name(kf_)) + "/" +
+                std::string(kv_format_name(vf_)) + " (causal and window masks only)");
+  if (q.rank() != 4 || out.rank() != 4)
+    throw Error("kv_cache: q, out: expected 4-D tensors [B,Hq,Sq,D] and [B,Hq,Sq,Dv], got shapes " + shape_str(q.shape()) +
+                " and " + shape_str(out.shape()));
+  if (out.size(0) != B_ || out.size(1) != q.size(1) || out.size(2) != q.size(2) || out.size(3) != Dv_)
+    throw Error("kv_cache: out: expected shape " + shape_str({B_, q.size(1), q.size(2), Dv_}) + ", got " + shape_str(out.shape()));
+  if (softmax_lse && (softmax_lse->rank() != 3 || softmax_lse->shape() != Shape{B_, q.size(1), q.size(2)}))
+    throw Error("kv_cache: softmax_lse: expected shape " + shape_str({B_, q.size(1), q.size(2)}) + ", got " +
+                shape_str(softmax_lse->shape()));
+  const std::int64_t Sq = q.size(2), Hq = q.size(1);
+  AttentionParams p = params;
+  for (std::int64_t b = 0; b < B_; ++b) {
+    const std::int64_t len = lengths_[static_cast<std::size_t>(b)], n = std::min(Sq, len), pad = Sq - n;
+    // Rows before the sequence's first position (ragged padding): zero output, lse -inf.
+    for (std::int64_t h = 0; h < Hq; ++h)
+      for (std::int64_t i = 0; i < pad; ++i) {
+        for (std::int64_t d = 0; d < Dv_; ++d)
+          store_from_double(out.data(), out.dtype(), b * out.stride(0) + h * out.stride(1) + i * out.stride(2) + d, 0.0);
+        if (softmax_lse)
+          store_from_double(softmax_lse->data(), softmax_lse->dtype(),
+                            b * softmax_lse->stride(0) + h * softmax_lse->stride(1) + i * softmax_lse->stride(2),
+                            -std::numeric_limits<double>::infinity());
+      }
+    if (n == 0) continue;
+    const auto at = [](const TensorView& t, std::int64_t off) {
+      return static_cast<char*>(t.data()) + off * static_cast<std::int64_t>(dtype_size(t.dtype()));
+    };
+    const TensorView qb(at(q, b * q.stride(0) + pad * q.stride(2)), q.dtype(), {n, Hq, q.size(3)}, {q.stride(2), q.stride(1), 1});
+    const TensorView ob(at(out, b * out.stride(0) + pad * out.stride(2)), out.dtype(), {n, Hq, Dv_},
+                        {out.stride(2), out.stride(1), 1});
+    std::optional<TensorView> lb;
+    if (softmax_lse)
+      lb = TensorView(at(*softmax_lse, b * softmax_lse->stride(0) + pad * softmax_lse->stride(2)), softmax_lse->dtype(),
+                      {Hq, n}, {softmax_lse->stride(1), softmax_lse->stride(2)});
+    QuantizedKV kq = quantized_keys(len), vq = quantized_values(len);
+    const auto shift = [&](QuantizedKV& x, std::int64_t X) {  // sequence b's rows
+      x.data = TensorView(at(x.data, b * Hkv_ * capacity_ * X), x.data.dtype(), x.data.shape(), x.data.strides());
+      if (x.format == KVFormat::int8 || x.format == KVFormat::q8_0) {
+        const std::int64_t nb = x.format == KVFormat::q8_0 ? x.scales.size(2) : 1;
+        x.scales = TensorView(at(x.scales, b * Hkv_ * capacity_ * nb), x.scales.dtype(), x.scales.shape(), x.scales.strides());
+      }
+    };
+    shift(kq, D_);
+    shift(vq, Dv_);
+    std::int32_t cq[2] = {0, static_cast<std::int32_t>(n)}, ck[2] = {0, static_cast<std::int32_t>(len)};
+    attention_varlen(qb, kq, vq, ob, TensorView(cq, DType::i32, {2}), TensorView(ck, DType::i32, {2}), p, lb);
+  }
+}
+
 void KVCache::attend(const TensorView& q, const TensorView& out, const AttentionParams& params,
                      const std::optional<TensorView>& softmax_lse, const std::optional<TensorView>& probs) {
   if (params.kv_lens)
@@ -150,6 +315,13 @@ void KVCache::attend(const TensorView& q, const TensorView& out, const Attention
   if (q.rank() == 4 && q.size(0) != B_)
     throw Error("kv_cache: q: expected [B,Hq,Sq,D] with B == cache B (" + std::to_string(B_) + "), got shape " +
                 shape_str(q.shape()));
+  if (quant_) {
+    if (probs)
+      throw Error("kv_cache: probs: expected none for a cache in formats " + std::string(kv_format_name(kf_)) + "/" +
+                  std::string(kv_format_name(vf_)));
+    attend_quantized(q, out, params, softmax_lse);
+    return;
+  }
   AttentionParams p = params;
   const TensorView lens(lengths_.data(), DType::i64, {B_});
   p.kv_lens = lens;

@@ -62,7 +62,7 @@ Llama::Llama(const Llama2cModel& model, const LlamaOptions& options) : impl_(new
     Tensor w13(DType::f32, {2 * m.hidden, m.dim});
     copy_rows(layer.w3, copy_rows(layer.w1, w13.data_as<float>()));
     m.w13.push_back(std::move(w13));
-    m.caches.emplace_back(1, m.Hkv, m.max_seq, m.D);
+    m.caches.emplace_back(1, m.Hkv, m.max_seq, m.D, options.kv_k_format, options.kv_v_format);
     if (options.record_queries) m.rec_q.emplace_back(DType::f32, Shape{m.max_seq, m.Hq, m.D});
   }
 }
@@ -139,8 +139,8 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
         // The serving kernel over the cache's first length + S positions (packed [S, H, D] views).
         const std::int64_t len = m.length + S, cap = cache.capacity();
         const TensorView q3(qd, DType::f32, {S, m.Hq, m.D}, {N, m.D, 1});
-        const TensorView k3(cache.keys().data(), DType::f32, {len, m.Hkv, m.D}, {m.D, cap * m.D, 1});
-        const TensorView v3(cache.values().data(), DType::f32, {len, m.Hkv, m.D}, {m.D, cap * m.D, 1});
+        (void)cap;
+        const QuantizedKV k3 = cache.quantized_keys(len), v3 = cache.quantized_values(len);
         const TensorView o3(att.data(), DType::f32, {S, m.Hq, m.D}, {dim, m.D, 1});
         std::int32_t cq[2] = {0, static_cast<std::int32_t>(S)}, ck[2] = {0, static_cast<std::int32_t>(len)};
         attention_varlen(q3, k3, v3, o3, TensorView(cq, DType::i32, {2}), TensorView(ck, DType::i32, {2}), ap);
@@ -185,14 +185,24 @@ TensorView Llama::queries(int layer) const {
                     {impl_->length, impl_->Hq, impl_->D});
 }
 
+namespace {
+void require_f32_cache(const KVCache& c, const char* what) {
+  if (c.k_format() != KVFormat::f32 || c.v_format() != KVFormat::f32)
+    throw Error(std::string("llama: ") + what + ": expected an f32 KV cache, got formats " +
+                std::string(kv_format_name(c.k_format())) + "/" + std::string(kv_format_name(c.v_format())));
+}
+}  // namespace
+
 TensorView Llama::keys(int layer) const {
   const KVCache& c = cache(layer);
+  require_f32_cache(c, "keys");
   return TensorView(c.keys().data(), DType::f32, {impl_->Hkv, impl_->length, impl_->D},
                     {c.capacity() * impl_->D, impl_->D, 1});
 }
 
 TensorView Llama::values(int layer) const {
   const KVCache& c = cache(layer);
+  require_f32_cache(c, "values");
   return TensorView(c.values().data(), DType::f32, {impl_->Hkv, impl_->length, impl_->D},
                     {c.capacity() * impl_->D, impl_->D, 1});
 }

@@ -52,7 +52,7 @@ LlamaBatch::LlamaBatch(const Llama2cModel& model, std::int64_t max_sequences, co
       Tensor w13(DType::f32, {2 * m.hidden, m.dim});
       copy_rows(layer.w3, copy_rows(layer.w1, w13.data_as<float>()));
       m.w13.push_back(std::move(w13));
-      m.caches.emplace_back(nb, bs, m.Hkv, m.D);
+      m.caches.emplace_back(nb, bs, m.Hkv, m.D, m.options.kv_k_format, m.options.kv_v_format);
     }
   } catch (...) {
     delete impl_;

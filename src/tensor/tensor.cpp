@@ -16,7 +16,7 @@ std::size_t dtype_size(DType dtype) noexcept {
     case DType::f64: case DType::i64: return 8;
     case DType::f32: case DType::i32: return 4;
     case DType::f16: case DType::bf16: return 2;
-    case DType::b8: return 1;
+    case DType::b8: case DType::i8: case DType::u8: return 1;
   }
   return 1;
 }
@@ -30,6 +30,8 @@ std::string_view dtype_name(DType dtype) noexcept {
     case DType::b8: return "bool";
     case DType::i32: return "int32";
     case DType::i64: return "int64";
+    case DType::i8: return "int8";
+    case DType::u8: return "uint8";
   }
   return "?";
 }
@@ -188,6 +190,8 @@ double load_as_double(const void* data, DType dtype, std::int64_t i) noexcept {
     case DType::b8: return static_cast<const std::uint8_t*>(data)[i] ? 1.0 : 0.0;
     case DType::i32: return static_cast<const std::int32_t*>(data)[i];
     case DType::i64: return static_cast<double>(static_cast<const std::int64_t*>(data)[i]);
+    case DType::i8: return static_cast<const std::int8_t*>(data)[i];
+    case DType::u8: return static_cast<const std::uint8_t*>(data)[i];
   }
   return 0.0;
 }
@@ -214,6 +218,8 @@ void store_from_double(void* data, DType dtype, std::int64_t i, double x) noexce
     case DType::b8: static_cast<std::uint8_t*>(data)[i] = x != 0.0; break;
     case DType::i32: static_cast<std::int32_t*>(data)[i] = static_cast<std::int32_t>(x); break;
     case DType::i64: static_cast<std::int64_t*>(data)[i] = static_cast<std::int64_t>(x); break;
+    case DType::i8: static_cast<std::int8_t*>(data)[i] = static_cast<std::int8_t>(x); break;
+    case DType::u8: static_cast<std::uint8_t*>(data)[i] = static_cast<std::uint8_t>(x); break;
   }
 }
 
