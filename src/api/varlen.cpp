@@ -109,9 +109,12 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
   }
 }
 
-void attention_paged(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool, const TensorView& out,
-                     const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
-                     const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+namespace {
+// Both pool kinds (float, quantized): lowered once, the serving kernel or the float64 reference.
+template <class Pool>
+void paged(const TensorView& q, const Pool& k_pool, const Pool& v_pool, const TensorView& out,
+           const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
+           const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
   const detail::VarlenProblem vp =
       detail::lower_paged(q, k_pool, v_pool, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse);
   if (params.kernel != KernelKind::reference) {
@@ -120,17 +123,18 @@ void attention_paged(const TensorView& q, const TensorView& k_pool, const Tensor
   }
   reference_gathered(vp, q, out, params, softmax_lse);
 }
+}  // namespace
+
+void attention_paged(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool, const TensorView& out,
+                     const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
+                     const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
+  paged(q, k_pool, v_pool, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse);
+}
 
 void attention_paged(const TensorView& q, const QuantizedKV& k_pool, const QuantizedKV& v_pool, const TensorView& out,
                      const TensorView& cu_seqlens_q, const TensorView& seq_lens, const TensorView& block_table,
                      const AttentionParams& params, const std::optional<TensorView>& softmax_lse) {
-  const detail::VarlenProblem vp =
-      detail::lower_paged(q, k_pool, v_pool, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse);
-  if (params.kernel != KernelKind::reference) {
-    detail::serving_kernel(vp);
-    return;
-  }
-  reference_gathered(vp, q, out, params, softmax_lse);
+  paged(q, k_pool, v_pool, out, cu_seqlens_q, seq_lens, block_table, params, softmax_lse);
 }
 
 void attention_varlen(const TensorView& q, const QuantizedKV& k, const QuantizedKV& v, const TensorView& out,

@@ -51,17 +51,8 @@ Llama::Llama(const Llama2cModel& model, const LlamaOptions& options) : impl_(new
   m.vocab = c.vocab_size;
   m.L = c.n_layers;
   m.max_seq = c.max_seq_len;
-  const auto copy_rows = [](const TensorView& src, float* dst) {
-    std::memcpy(dst, src.data(), static_cast<std::size_t>(src.numel()) * sizeof(float));
-    return dst + src.numel();
-  };
   for (const Llama2cLayer& layer : model.layers) {
-    Tensor qkv(DType::f32, {m.dim + 2 * m.kv_dim, m.dim});
-    copy_rows(layer.wv, copy_rows(layer.wk, copy_rows(layer.wq, qkv.data_as<float>())));
-    m.wqkv.push_back(std::move(qkv));
-    Tensor w13(DType::f32, {2 * m.hidden, m.dim});
-    copy_rows(layer.w3, copy_rows(layer.w1, w13.data_as<float>()));
-    m.w13.push_back(std::move(w13));
+    llama_detail::fuse_layer_weights(layer, m.dim, m.kv_dim, m.hidden, m.wqkv, m.w13);
     m.caches.emplace_back(1, m.Hkv, m.max_seq, m.D, options.kv_k_format, options.kv_v_format);
     if (options.record_queries) m.rec_q.emplace_back(DType::f32, Shape{m.max_seq, m.Hq, m.D});
   }

@@ -41,17 +41,8 @@ LlamaBatch::LlamaBatch(const Llama2cModel& model, std::int64_t max_sequences, co
     m.D = c.head_dim; m.vocab = c.vocab_size; m.L = c.n_layers; m.max_seq = c.max_seq_len;
     const std::int64_t bs = block_size;
     const std::int64_t nb = num_blocks > 0 ? num_blocks : max_sequences * ((m.max_seq + std::max<std::int64_t>(bs, 1) - 1) / std::max<std::int64_t>(bs, 1));
-    const auto copy_rows = [](const TensorView& src, float* dst) {
-      std::memcpy(dst, src.data(), static_cast<std::size_t>(src.numel()) * sizeof(float));
-      return dst + src.numel();
-    };
     for (const Llama2cLayer& layer : model.layers) {
-      Tensor qkv(DType::f32, {m.dim + 2 * m.kv_dim, m.dim});
-      copy_rows(layer.wv, copy_rows(layer.wk, copy_rows(layer.wq, qkv.data_as<float>())));
-      m.wqkv.push_back(std::move(qkv));
-      Tensor w13(DType::f32, {2 * m.hidden, m.dim});
-      copy_rows(layer.w3, copy_rows(layer.w1, w13.data_as<float>()));
-      m.w13.push_back(std::move(w13));
+      llama_detail::fuse_layer_weights(layer, m.dim, m.kv_dim, m.hidden, m.wqkv, m.w13);
       m.caches.emplace_back(nb, bs, m.Hkv, m.D, m.options.kv_k_format, m.options.kv_v_format);
     }
   } catch (...) {

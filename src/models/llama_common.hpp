@@ -4,9 +4,11 @@
 #include <cblas.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "qkv/error.hpp"
 #include "qkv/llama.hpp"
@@ -44,6 +46,22 @@ inline void swiglu(const float* h, float* g, std::int64_t rows, int hid) {
       const float a = h[t * 2 * hid + i];
       g[t * hid + i] = a / (1.0f + std::exp(-a)) * h[t * 2 * hid + hid + i];
     }
+}
+
+// The layer's projections fused for one GEMM each: W^Q, W^K, W^V stacked as [dim + 2 kv_dim, dim]
+// and W1, W3 as [2 hidden, dim], appended to wqkv and w13.
+inline void fuse_layer_weights(const Llama2cLayer& layer, std::int64_t dim, std::int64_t kv_dim, std::int64_t hidden,
+                               std::vector<Tensor>& wqkv, std::vector<Tensor>& w13) {
+  const auto copy_rows = [](const TensorView& src, float* dst) {
+    std::memcpy(dst, src.data(), static_cast<std::size_t>(src.numel()) * sizeof(float));
+    return dst + src.numel();
+  };
+  Tensor qkv(DType::f32, {dim + 2 * kv_dim, dim});
+  copy_rows(layer.wv, copy_rows(layer.wk, copy_rows(layer.wq, qkv.data_as<float>())));
+  wqkv.push_back(std::move(qkv));
+  Tensor w(DType::f32, {2 * hidden, dim});
+  copy_rows(layer.w3, copy_rows(layer.w1, w.data_as<float>()));
+  w13.push_back(std::move(w));
 }
 
 }  // namespace qkv::llama_detail
