@@ -107,5 +107,8 @@ float bf16_to_float(std::uint16_t b) noexcept;
 double load_as_double(const void* data, DType dtype, std::int64_t i) noexcept;
 /// Writes `x` to element `i` of a buffer of `dtype` (rounded for narrower float types).
 void store_from_double(void* data, DType dtype, std::int64_t i, double x) noexcept;
+/// Writes `x` to element `i` of a float buffer (f32, f64, bf16 or f16; round to nearest even);
+/// other dtypes are left untouched.
+void store_from_float(void* data, DType dtype, std::int64_t i, float x) noexcept;
 
 }  // namespace qkv

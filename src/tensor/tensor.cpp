@@ -209,6 +209,16 @@ float to_float_round_odd(double x) noexcept {
 }
 }  // namespace
 
+void store_from_float(void* data, DType dtype, std::int64_t i, float x) noexcept {
+  switch (dtype) {
+    case DType::f32: static_cast<float*>(data)[i] = x; break;
+    case DType::f64: static_cast<double*>(data)[i] = x; break;
+    case DType::bf16: static_cast<std::uint16_t*>(data)[i] = float_to_bf16(x); break;
+    case DType::f16: static_cast<std::uint16_t*>(data)[i] = float_to_half(x); break;
+    default: break;
+  }
+}
+
 void store_from_double(void* data, DType dtype, std::int64_t i, double x) noexcept {
   switch (dtype) {
     case DType::f32: static_cast<float*>(data)[i] = static_cast<float>(x); break;

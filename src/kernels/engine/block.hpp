@@ -358,15 +358,7 @@ struct BlockProcessor {
     }
   }
 
-  static void store_scalar(void* data, DType dt, i64 off, float x) {
-    switch (dt) {
-      case DType::f32: static_cast<float*>(data)[off] = x; break;
-      case DType::f64: static_cast<double*>(data)[off] = x; break;
-      case DType::bf16: static_cast<std::uint16_t*>(data)[off] = float_to_bf16(x); break;
-      case DType::f16: static_cast<std::uint16_t*>(data)[off] = float_to_half(x); break;
-      default: break;
-    }
-  }
+  static void store_scalar(void* data, DType dt, i64 off, float x) { store_from_float(data, dt, off, x); }
 
   // out row at element offset off = o / l (0 when empty), in the output's dtype.
   static void store_out(const Problem& p, i64 off, const float* o, float l, bool empty, i64 Dv) {
