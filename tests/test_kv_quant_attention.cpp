@@ -74,8 +74,6 @@ TEST(KVQuantAttention, PackedAndPagedAgainstReferenceOnDequantized) {
       if (n % 5 == 2) params.softcap = 5.0;
       Tensor ref_o, ref_l;
       reference_packed(dq, params, ref_o, ref_l);
-      Tensor float_o(DType::f32, {pk.Tq, sh.hq, sh.d}), float_l(DType::f32, {sh.hq, pk.Tq});
-      attention_varlen(dq.q, dq.k, dq.v, float_o, dq.cu_q, dq.cu_k, params, float_l.view());
       // The same keys in a paged cache of 16-key blocks (sequences interleaved block by block).
       PagedKVCache cache(256, 16, sh.hkv, sh.d, kf, vf);
       if (kf == KVFormat::fp8 || vf == KVFormat::fp8) {
@@ -105,6 +103,9 @@ TEST(KVQuantAttention, PackedAndPagedAgainstReferenceOnDequantized) {
                                std::to_string(sh.d);
       for (detail::Isa isa : test_isas(DType::f32)) {
         IsaCap cap(isa);
+        // The float32 dequantized keys at the same ISA level (each level has its own bits).
+        Tensor float_o(DType::f32, {pk.Tq, sh.hq, sh.d}), float_l(DType::f32, {sh.hq, pk.Tq});
+        attention_varlen(dq.q, dq.k, dq.v, float_o, dq.cu_q, dq.cu_k, params, float_l.view());
         for (int threads : {1, 2}) {
           AttentionParams p = params;
           p.num_threads = threads;

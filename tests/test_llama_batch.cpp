@@ -44,23 +44,23 @@ TEST(LlamaBatch, LogitsBitwiseEqualToOneSequenceAlone) {
   for (std::size_t s = 0; s < lens.size(); ++s) toks.push_back(random_tokens(lens[s] + decode, 40 + s));
   LlamaOptions lo;
   lo.batch_invariant = true;
-  // Alone: the prompt in one forward(), then one token per call; keep every call's logits.
-  std::vector<std::vector<std::vector<float>>> want(lens.size());
-  {
-    Llama one(model(), lo);
-    for (std::size_t s = 0; s < lens.size(); ++s) {
-      one.reset();
-      const int vocab = one.config().vocab_size;
-      TensorView l = one.forward(std::span<const int>(toks[s].data(), static_cast<std::size_t>(lens[s])));
-      want[s].emplace_back(l.data_as<float>(), l.data_as<float>() + vocab);
-      for (int t = lens[s]; t < lens[s] + decode - 1; ++t) {
-        l = one.forward(std::span<const int>(&toks[s][static_cast<std::size_t>(t)], 1));
-        want[s].emplace_back(l.data_as<float>(), l.data_as<float>() + vocab);
-      }
-    }
-  }
   for (detail::Isa isa : test_isas(DType::f32)) {
     IsaCap cap(isa);
+    // Alone: the prompt in one forward(), then one token per call; keep every call's logits.
+    std::vector<std::vector<std::vector<float>>> want(lens.size());
+    {
+      Llama one(model(), lo);
+      for (std::size_t s = 0; s < lens.size(); ++s) {
+        one.reset();
+        const int vocab = one.config().vocab_size;
+        TensorView l = one.forward(std::span<const int>(toks[s].data(), static_cast<std::size_t>(lens[s])));
+        want[s].emplace_back(l.data_as<float>(), l.data_as<float>() + vocab);
+        for (int t = lens[s]; t < lens[s] + decode - 1; ++t) {
+          l = one.forward(std::span<const int>(&toks[s][static_cast<std::size_t>(t)], 1));
+          want[s].emplace_back(l.data_as<float>(), l.data_as<float>() + vocab);
+        }
+      }
+    }
     LlamaBatch batch(model(), 3);
     const int vocab = batch.config().vocab_size;
     std::vector<std::int64_t> id(lens.size(), -1);

@@ -92,12 +92,13 @@ TEST(Paged, RandomBlockTablesAgainstReference) {
       if (n % 3 == 0) params.softcap = 4.0;
       Tensor ref_o, ref_l;
       reference_packed(pk, params, ref_o, ref_l);
-      Tensor packed_o(DType::f32, {pk.Tq, hq, d}), packed_l(DType::f32, {hq, pk.Tq});
-      attention_varlen(pk.q, pk.k, pk.v, packed_o, pk.cu_q, pk.cu_k, params, packed_l.view());
       const std::string what = "Hq" + std::to_string(hq) + " Hkv" + std::to_string(hkv) + " D" + std::to_string(d) +
                                " bs" + std::to_string(bs) + " " + std::string(dtype_name(dt));
       for (detail::Isa isa : test_isas(dt)) {
         IsaCap cap(isa);
+        // Each ISA level has its own bits: paged must equal packed at the same level.
+        Tensor packed_o(DType::f32, {pk.Tq, hq, d}), packed_l(DType::f32, {hq, pk.Tq});
+        attention_varlen(pk.q, pk.k, pk.v, packed_o, pk.cu_q, pk.cu_k, params, packed_l.view());
         for (int threads : {1, 2}) {
           Tensor o(DType::f32, {pk.Tq, hq, d}), l(DType::f32, {hq, pk.Tq});
           AttentionParams p = params;
@@ -176,28 +177,28 @@ TEST(PagedKVCache, ContinuousBatchingMatchesOnePrefill) {
   }
   AttentionParams params;
   params.causal = true;
-  // Expected: each sequence alone, one prefill.
-  std::vector<Tensor> want;
-  for (std::size_t s = 0; s < lens.size(); ++s) {
-    const i64 S = lens[s];
-    Tensor qr(DType::f32, {S, Hq, D}), kr(DType::f32, {S, Hkv, D});
-    std::memcpy(qr.data(), q[s].data(), q[s].nbytes());
-    std::memcpy(kr.data(), k[s].data(), k[s].nbytes());
-    apply_rope(seq_view(qr, 0, S), 0, rope);
-    apply_rope(seq_view(kr, 0, S), 0, rope);
-    want.emplace_back(DType::f32, std::initializer_list<i64>{S, Hq, D});
-    const Tensor cu = cu_seqlens({S});
-    attention_varlen(qr, kr, v[s], want.back(), cu, cu, params);
-    if (s == 0) {  // and the prefill itself against the reference
-      Tensor ref(DType::f64, {S, Hq, D});
-      AttentionParams rp = params;
-      rp.kernel = KernelKind::reference;
-      reference::attention(seq_view(qr, 0, S), seq_view(kr, 0, S), seq_view(v[s], 0, S), seq_view(ref, 0, S), rp);
-      EXPECT_LE(max_err(want.back(), ref, "prefill"), 5e-6);
-    }
-  }
   for (detail::Isa isa : test_isas(DType::f32)) {
     IsaCap cap(isa);
+    // Expected: each sequence alone, one prefill.
+    std::vector<Tensor> want;
+    for (std::size_t s = 0; s < lens.size(); ++s) {
+      const i64 S = lens[s];
+      Tensor qr(DType::f32, {S, Hq, D}), kr(DType::f32, {S, Hkv, D});
+      std::memcpy(qr.data(), q[s].data(), q[s].nbytes());
+      std::memcpy(kr.data(), k[s].data(), k[s].nbytes());
+      apply_rope(seq_view(qr, 0, S), 0, rope);
+      apply_rope(seq_view(kr, 0, S), 0, rope);
+      want.emplace_back(DType::f32, std::initializer_list<i64>{S, Hq, D});
+      const Tensor cu = cu_seqlens({S});
+      attention_varlen(qr, kr, v[s], want.back(), cu, cu, params);
+      if (s == 0) {  // and the prefill itself against the reference
+        Tensor ref(DType::f64, {S, Hq, D});
+        AttentionParams rp = params;
+        rp.kernel = KernelKind::reference;
+        reference::attention(seq_view(qr, 0, S), seq_view(kr, 0, S), seq_view(v[s], 0, S), seq_view(ref, 0, S), rp);
+        EXPECT_LE(max_err(want.back(), ref, "prefill"), 5e-6);
+      }
+    }
     PagedKVCache cache(kPool, bs, Hkv, D);
     // A filler sequence takes and frees pages first, so the sequences get scattered blocks.
     const i64 filler = cache.add_sequence();

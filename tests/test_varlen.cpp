@@ -39,9 +39,9 @@ void check_case(const Packed& pk, const AttentionParams& params, const std::stri
   Tensor ref_o, ref_l;
   reference_packed(pk, params, ref_o, ref_l);
   Tensor first_o(DType::f32, {pk.Tq, pk.Hq, pk.Dv}), first_l(DType::f32, {pk.Hq, pk.Tq});
-  bool have_first = false;
   for (detail::Isa isa : test_isas(pk.dtype)) {
     IsaCap cap(isa);
+    bool have_first = false;  // each ISA level has its own bits (engine/serving_item.hpp)
     for (int threads : {1, 2}) {
       Tensor o(DType::f32, {pk.Tq, pk.Hq, pk.Dv}), l(DType::f32, {pk.Hq, pk.Tq});
       AttentionParams p = params;

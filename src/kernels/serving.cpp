@@ -10,19 +10,18 @@
 // and rounded once to the output (as the decode kernel's merge, engine/drivers.hpp).
 //
 // Batch invariance: every number a row computes depends only on its query vector, its key range
-// (causal, window, from its position) and the keys' values: a row's dot products use a fixed
-// order (16 partial sums, one reduction tree), each row has its own max, sum and accumulator,
-// split boundaries are absolute, and the merge order is fixed. Which other rows share a work
-// item (tokens of the same sequence, the query heads of one KV head, sharing one read of each
-// key), which thread runs it, and where a key is stored (packed, or any page) change no bit.
-// The item body (serving_item.hpp) is plain C++ with every operation written out
-// (-ffp-contract=off, sequential sums besides the 16 partial sums), compiled once per ISA level
-// for speed: vectorizing it changes no bit, so every QKV_ISA level gives the same bits (tested).
-// expf, tanhf, exp and log from libm.
+// (causal, window, from its position) and the keys' values (engine/serving_item.hpp says how),
+// split boundaries are absolute, and the merge order is fixed. Which other rows share a work item
+// (tokens of the same sequence, the query heads of one KV head, sharing one read of each key),
+// which thread runs it, and where a key is stored (packed, or any page) change no bit. Each ISA
+// level has its own item body (fused multiply-adds, its vector width), so the bits are those of
+// the level: the same for every batch at a given level. exp and log of the merge from libm.
 //
-// Threads: one work item per (sequence, KV head, tile of tokens), dynamic schedule, most work
-// first. Workspace: per thread, the tile's queries in fp32, its scores of one split and its
-// split partials, in the calling thread's reusable buffer (kernels/workspace.hpp).
+// Threads: one work item per (sequence, KV head, tile of tokens, split), dynamic schedule, most
+// work first, so that one long sequence uses every thread; then the merge, one row at a time.
+// Workspace: the split partials of every row, and per thread the tile's queries in fp32, its
+// scores of one split and a group of decoded keys or values, in the calling thread's reusable
+// buffer (kernels/workspace.hpp).
 #include <omp.h>
 
 #include <algorithm>
@@ -43,7 +42,7 @@ namespace {
 using i64 = std::int64_t;
 constexpr i64 P = kServingSplit;
 
-// The item body of the active ISA level; every level gives the same bits (serving_item.hpp).
+// The item body of the active ISA level.
 ServingItemFn serving_item_fn() {
   // By order, so that every level above avx512 takes the avx512 body.
   const Isa isa = active_isa();
@@ -57,36 +56,110 @@ ServingItemFn serving_item_fn() {
   return serving_item_scalar;
 }
 
+// Row r's split partials (pf floats each: O, then m, l) merged in split order in float64.
+void merge_row(const Problem& p, const float* parts, i64 c_lo, i64 c_hi, i64 Dv, i64 pf, double* accd,
+               i64 out_off, i64 lse_off) {
+  const i64 Dvp = pf - 2;
+  double mx = -std::numeric_limits<double>::infinity();
+  bool any = false, nan = false;
+  for (i64 c = c_lo; c < c_hi; ++c) {
+    const float* part = parts + c * pf;
+    if (part[Dvp + 1] == 0.0f) continue;  // a split with no admissible key
+    any = true;
+    nan = nan || std::isnan(part[Dvp + 1]);
+    mx = std::max(mx, static_cast<double>(part[Dvp]));
+  }
+  for (i64 d = 0; d < Dv; ++d) accd[d] = 0.0;
+  double lsum = 0.0;
+  if (any && !nan)
+    for (i64 c = c_lo; c < c_hi; ++c) {
+      const float* part = parts + c * pf;
+      if (part[Dvp + 1] == 0.0f) continue;
+      const double w = std::exp(static_cast<double>(part[Dvp]) - mx);
+      lsum += w * part[Dvp + 1];
+      for (i64 d = 0; d < Dv; ++d) accd[d] += w * part[d];
+    }
+  const float qnan = std::numeric_limits<float>::quiet_NaN(), neg_inf = -std::numeric_limits<float>::infinity();
+  for (i64 d = 0; d < Dv; ++d)
+    store_from_float(p.out.data, p.out.dtype, out_off + d * p.out.sx, nan ? qnan : any ? static_cast<float>(accd[d] / lsum) : 0.0f);
+  if (p.lse.data)
+    store_from_float(p.lse.data, p.lse.dtype, lse_off, !any ? neg_inf : nan ? qnan : static_cast<float>(mx + std::log(lsum)));
+}
+
 }  // namespace
 
 void serving_kernel(const VarlenProblem& vp) {
   const Problem& p = vp.p;
   if (p.Hq == 0 || p.Sq == 0) return;
-  const i64 TT = tile_tokens(p), G = p.group();
+  const i64 G = p.group(), B = vp.batch();
+  // Rows of an item: tokens x query heads of its KV heads, up to kServingRows. Few tokens per
+  // sequence (decode) take several KV heads per item, which a packed cache stores side by side.
+  i64 max_sq = 0;
+  for (i64 b = 0; b < B; ++b) max_sq = std::max(max_sq, vp.seq_q(b));
+  const i64 TT = std::max<i64>(1, kServingRows / std::max<i64>(G, 1));
+  const i64 NH = std::clamp<i64>(kServingRows / (std::min(TT, std::max<i64>(max_sq, 1)) * std::max<i64>(G, 1)), 1, std::max<i64>(p.Hkv, 1));
+  const i64 Dvp = (p.Dv + 15) / 16 * 16, pf = Dvp + 2;
+  // Sequence b's partials: seq_q(b) x Hq rows of NS[b] splits, from part_base[b] (floats).
+  std::vector<i64> NS(static_cast<std::size_t>(B)), part_base(static_cast<std::size_t>(B) + 1, 0);
   std::vector<ServingItem> items;
-  i64 max_len = 0;
   double macs = 0;
-  for (i64 b = 0; b < vp.batch(); ++b) {
+  for (i64 b = 0; b < B; ++b) {
     const i64 sq = vp.seq_q(b), sk = vp.seq_k[static_cast<std::size_t>(b)];
-    max_len = std::max(max_len, sk);
+    const i64 ns = (sk + P - 1) / P;
+    NS[static_cast<std::size_t>(b)] = ns;
+    part_base[static_cast<std::size_t>(b) + 1] = part_base[static_cast<std::size_t>(b)] + sq * p.Hq * ns * pf;
     macs += static_cast<double>(sq) * static_cast<double>(sk) * static_cast<double>(p.Hq * (p.D + p.Dv));
-    for (i64 hk = 0; hk < p.Hkv; ++hk)
-      for (i64 t0 = 0; t0 < sq; t0 += TT) {
-        const i64 nt = std::min(TT, sq - t0);
-        items.push_back({b, hk, t0, nt, nt * (sk + 1)});
+    for (i64 t0 = 0; t0 < sq; t0 += TT) {
+      const i64 nt = std::min(TT, sq - t0);
+      // The union of the tile's key ranges (each row's range is checked again in the item).
+      i64 klo = sk, khi = 0;
+      for (i64 t = t0; t < t0 + nt; ++t) {
+        i64 lo, hi;
+        vp.key_range(b, t, lo, hi);
+        if (lo < hi) { klo = std::min(klo, lo); khi = std::max(khi, hi); }
       }
+      for (i64 hk = 0; hk < p.Hkv; hk += NH)
+        for (i64 c = 0; c < ns; ++c) {
+          const i64 a = std::max(klo, c * P), e = std::min(khi, (c + 1) * P), nh = std::min(NH, p.Hkv - hk);
+          if (a < e) items.push_back({b, hk, nh, t0, nt, c, nh * nt * (e - a)});
+        }
+    }
   }
   // Most work first (the order of items changes no result).
   std::stable_sort(items.begin(), items.end(), [](const ServingItem& x, const ServingItem& y) { return x.cost > y.cost; });
-  const ServingLayout L{TT * G, std::max<i64>(1, (max_len + P - 1) / P), p.D, p.Dv};
+  const ServingLayout L{TT * G * NH, p.D, p.Dv};
   const i64 n = static_cast<i64>(items.size());
   int threads = p.num_threads > 0 ? p.num_threads : (macs < (1 << 20) ? 1 : omp_get_max_threads());
-  threads = static_cast<int>(std::max<i64>(1, std::min<i64>(threads, n)));
+  threads = static_cast<int>(std::max<i64>(1, std::min<i64>(threads, std::max<i64>(n, 1))));
   const ServingItemFn item = serving_item_fn();
-  const std::size_t per = static_cast<std::size_t>(L.bytes());
-  char* ws = thread_workspace(per * static_cast<std::size_t>(threads));
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-  for (i64 x = 0; x < n; ++x) item(vp, items[static_cast<std::size_t>(x)], L, ws + per * static_cast<std::size_t>(omp_get_thread_num()));
+  const std::size_t per = static_cast<std::size_t>(std::max(L.bytes(), static_cast<i64>(p.Dv) * 8 + 64) + 63) / 64 * 64;
+  const std::size_t parts_bytes = static_cast<std::size_t>(part_base.back()) * 4;
+  char* ws = thread_workspace(parts_bytes + per * static_cast<std::size_t>(threads));
+  float* parts = reinterpret_cast<float*>(ws);
+  char* tws = ws + (parts_bytes + 63) / 64 * 64;
+  const i64 rows_total = vp.cu_q[static_cast<std::size_t>(B)] * p.Hq;
+#pragma omp parallel num_threads(threads)
+  {
+    char* mine = tws + per * static_cast<std::size_t>(omp_get_thread_num());
+#pragma omp for schedule(dynamic, 1)
+    for (i64 x = 0; x < n; ++x) {
+      const ServingItem& it = items[static_cast<std::size_t>(x)];
+      item(vp, it, L, parts + part_base[static_cast<std::size_t>(it.b)], NS[static_cast<std::size_t>(it.b)], mine);
+    }
+    // Merge: row (token tok, head h), whatever thread takes it.
+    double* accd = reinterpret_cast<double*>(mine);
+#pragma omp for schedule(static)
+    for (i64 row = 0; row < rows_total; ++row) {
+      const i64 tok = row / p.Hq, h = row % p.Hq;
+      const i64 b = static_cast<i64>(std::upper_bound(vp.cu_q.begin(), vp.cu_q.end(), tok) - vp.cu_q.begin()) - 1;
+      const i64 t = tok - vp.cu_q[static_cast<std::size_t>(b)], ns = NS[static_cast<std::size_t>(b)];
+      i64 lo, hi;
+      vp.key_range(b, t, lo, hi);
+      const float* rp = parts + part_base[static_cast<std::size_t>(b)] + (t * p.Hq + h) * ns * pf;
+      const i64 c_lo = lo < hi ? lo / P : 0, c_hi = lo < hi ? (hi + P - 1) / P : 0;
+      merge_row(p, rp, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss);
+    }
+  }
 }
 
 }  // namespace qkv::detail

@@ -14,7 +14,8 @@ namespace qkv::detail {
 /// Members every ISA has.
 template <class Ops>
 concept IsaOpsCore = requires(typename Ops::V v, float x, const float* src, float* dst,
-                              const float* const* rows, const std::uint16_t* h, std::int64_t n) {
+                              const float* const* rows, const std::uint16_t* h, std::int64_t n,
+                              const std::int8_t* i8, const std::uint8_t* u8) {
   // Tile traits (constexpr): the vector width, rows per query block, keys per key tile,
   // vector registers a microkernel may fill with accumulators, vectors of Dv per PV microkernel.
   requires std::same_as<decltype(Ops::W), const int>;
@@ -53,6 +54,9 @@ concept IsaOpsCore = requires(typename Ops::V v, float x, const float* src, floa
   { Ops::load_bf16(h) } -> std::same_as<typename Ops::V>;  // W bfloat16 to fp32 (exact)
   { Ops::load_f16(h) } -> std::same_as<typename Ops::V>;   // W float16 to fp32 (exact)
   Ops::f16_to_f32(h, dst, n);                              // n float16 from h to fp32 at dst (exact)
+  // The codes of the quantized KV formats (tensor/kv_codec.hpp), exactly, before their scale.
+  { Ops::load_i8(i8) } -> std::same_as<typename Ops::V>;    // W int8 to fp32
+  { Ops::load_e4m3(u8) } -> std::same_as<typename Ops::V>;  // W float8 e4m3fn to fp32
 };
 
 /// Ops::kMaskedFma: PV skips zero weights under a lane mask instead of a branch.

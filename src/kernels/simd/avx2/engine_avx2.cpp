@@ -21,6 +21,7 @@
 #define QKV_ENGINE_NS engine_avx2
 #include "kernels/engine/engine.hpp"
 #include "kernels/isa_kernels.hpp"
+#include "kernels/engine/serving_item.hpp"
 
 namespace qkv::detail {
 namespace engine_avx2 {
@@ -127,6 +128,20 @@ struct Ops {
   static V load_f16(const std::uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static V load_i8(const std::int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // e4m3fn as e4m3_to_float (tensor/kv_codec.hpp) forms it: normal codes rebase the exponent,
+  // subnormal ones are (m & 7) 2^-9; then the sign.
+  static V load_e4m3(const std::uint8_t* p) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
+    const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(120 << 3)), 20);
+    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, _mm256_set1_epi32(7))), _mm256_set1_ps(0x1p-9f));
+    const __m256i is_normal = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7));
+    const __m256i bits = _mm256_blendv_epi8(_mm256_castps_si256(sub), normal, is_normal);
+    return _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+  }
   static constexpr bool kMaskedFma = false;
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     std::int64_t x = 0;
@@ -151,5 +166,10 @@ const IsaKernels kIsaKernelsAvx2 = {
     engine_avx2::E::exp_array,
     nullptr,
 };
+
+void serving_item_avx2(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
+                        std::int64_t NS, char* ws) {
+  engine_avx2::ServingItemBody<engine_avx2::Ops>::run(vp, it, L, parts, NS, ws);
+}
 
 }  // namespace qkv::detail

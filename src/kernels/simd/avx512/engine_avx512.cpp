@@ -38,6 +38,7 @@
 #include "kernels/engine/engine.hpp"
 #include "kernels/engine/with_int.hpp"
 #include "kernels/isa_kernels.hpp"
+#include "kernels/engine/serving_item.hpp"
 
 namespace qkv::detail {
 namespace engine_avx512 {
@@ -104,5 +105,10 @@ const IsaKernels kIsaKernelsAvx512 = {
     engine_avx512::E::exp_array,
     engine_avx512::bf16_dot_rate,
 };
+
+void serving_item_avx512(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
+                        std::int64_t NS, char* ws) {
+  engine_avx512::ServingItemBody<engine_avx512::Ops>::run(vp, it, L, parts, NS, ws);
+}
 
 }  // namespace qkv::detail

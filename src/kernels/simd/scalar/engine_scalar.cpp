@@ -13,6 +13,7 @@
 #define QKV_ENGINE_NS engine_scalar
 #include "kernels/engine/engine.hpp"
 #include "kernels/isa_kernels.hpp"
+#include "kernels/engine/serving_item.hpp"
 
 namespace qkv::detail {
 namespace engine_scalar {
@@ -43,6 +44,8 @@ struct Ops {
   static float hsum(V x) { return x; }
   static V load_bf16(const std::uint16_t* p) { return bf16_to_float(*p); }
   static V load_f16(const std::uint16_t* p) { return half_to_float(*p); }
+  static V load_i8(const std::int8_t* p) { return static_cast<float>(*p); }
+  static V load_e4m3(const std::uint8_t* p) { return e4m3_to_float(*p); }
   static constexpr bool kMaskedFma = false;
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
     for (std::int64_t x = 0; x < n; ++x) d[x] = half_to_float(s[x]);
@@ -64,5 +67,10 @@ const IsaKernels kIsaKernelsScalar = {
     engine_scalar::E::exp_array,
     nullptr,
 };
+
+void serving_item_scalar(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
+                        std::int64_t NS, char* ws) {
+  engine_scalar::ServingItemBody<engine_scalar::Ops>::run(vp, it, L, parts, NS, ws);
+}
 
 }  // namespace qkv::detail

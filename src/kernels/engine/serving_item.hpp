@@ -1,0 +1,409 @@
+#pragma once
+// One work item of the serving kernel (kernels/serving.cpp drives them and merges the splits) on
+// an ISA's vectors: the query rows of tokens t0 .. t0 + nt - 1 of one sequence and the query
+// heads of one KV head, against the keys of one split [c P, (c + 1) P), P = kServingSplit.
+//
+// For each row the item writes the split's partial: m = max_j s_j, l = sum_j e^(s_j - m) and the
+// unnormalised O = sum_j e^(s_j - m) v_j over the row's admitted keys of the split, in fp32.
+// Batch invariance rests on every number of a row depending only on its query, its key range and
+// the keys' values, never on the item's other rows or on where a key is stored:
+//   - s_j = q . k_j: W partial sums along D (fused multiply-adds, d ascending), reduced by
+//     Ops::hsum_w, whose lane i equals hsum of vector i bit for bit;
+//   - the softmax visits the row's keys in groups of W aligned at absolute key positions, so key
+//     j always sits in lane j mod W; keys outside the row's range are -inf (a select, so a NaN
+//     stored there never enters) and add exact zeros to the lane sums;
+//   - O accumulates p_j v_j over exactly the row's keys, ascending, one fused multiply-add each.
+// Keys and values are read in place as fp32 or bf16 vectors where the row is whole vectors and the
+// item has one row; otherwise each group of W keys is decoded once into the workspace (fp16, the
+// quantized formats: one fp32 product per element, tensor/kv_codec.hpp) and shared by the rows.
+// Either way the fp32 values are the same, so the bits are too.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "core/varlen_problem.hpp"
+#include "kernels/engine/isa_ops.hpp"
+#include "kernels/engine/with_int.hpp"
+#include "kernels/engine/workspace.hpp"
+#include "kernels/serving.hpp"
+#include "tensor/kv_codec.hpp"
+
+namespace qkv::detail::QKV_ENGINE_NS {
+
+template <IsaOps Ops>
+struct ServingItemBody {
+  using V = typename Ops::V;
+  static constexpr int W = Ops::W;
+  static constexpr i64 P = kServingSplit;
+  static_assert(P % W == 0, "splits are whole vectors of keys");
+  static constexpr i64 SP = P + 16;  // pitch of a row's scores: rows off 4 KiB multiples
+  static constexpr int kPvVecs = 8;  // vectors of Dv accumulated in registers at once
+
+  // How a key (or value) row is read: vectors of its dtype, or of the codes of a quantized
+  // format times their scale (one fp32 product per element, as decode_row forms it); staged:
+  // decoded to fp32 in the workspace by stage_row (a head_dim that is not whole vectors, f64).
+  enum class Src { f32, bf16, f16, i8, q8, e4m3, staged };
+  // A row: its data, and the scale of int8 and fp8 or the fp16 block scales of q8_0.
+  struct RowRef {
+    const void* p;
+    float sc;
+    const std::uint16_t* sc16;
+  };
+
+  static Src src_of(const Operand& x, const KVCodec& codec, i64 n, i64 np) {
+    if (n != np) return Src::staged;
+    if (codec.scales) return codec.format == KVFormat::int8 ? Src::i8 : codec.format == KVFormat::q8_0 ? Src::q8 : Src::e4m3;
+    return x.dtype == DType::f32 ? Src::f32 : x.dtype == DType::bf16 ? Src::bf16 : x.dtype == DType::f16 ? Src::f16 : Src::staged;
+  }
+
+  // f.template operator()<S>() for the run-time s (staged rows are fp32 by then).
+  template <class F>
+  static void with_src(Src s, F&& f) {
+    switch (s) {
+      case Src::bf16: f.template operator()<Src::bf16>(); break;
+      case Src::f16: f.template operator()<Src::f16>(); break;
+      case Src::i8: f.template operator()<Src::i8>(); break;
+      case Src::q8: f.template operator()<Src::q8>(); break;
+      case Src::e4m3: f.template operator()<Src::e4m3>(); break;
+      default: f.template operator()<Src::f32>(); break;
+    }
+  }
+
+  // Rows are padded to 16 floats (whole vectors at every level; the driver's partials pitch).
+  static i64 round_up(i64 n) { return (n + 15) / 16 * 16; }
+
+  // Element offsets of keys j0 .. j0 + n - 1 of sequence b, KV head hk: one block-table lookup
+  // per block, not one division per key.
+  static void row_offsets(const VarlenProblem& vp, const Operand& x, i64 b, i64 hk, i64 j0, i64 n, i64* off) {
+    if (!vp.paged) {
+      const i64 base = (vp.cu_k[b] + j0) * x.ss + hk * x.sh;
+      for (i64 i = 0; i < n; ++i) off[i] = base + i * x.ss;
+      return;
+    }
+    i64 blk = j0 / vp.block_size, slot = j0 % vp.block_size;
+    i64 base = vp.block_table[b * vp.bt_stride + blk * vp.bt_col_stride] * x.sb + hk * x.sh;
+    for (i64 i = 0; i < n; ++i) {
+      off[i] = base + slot * x.ss;
+      if (++slot == vp.block_size && i + 1 < n) {
+        slot = 0;
+        ++blk;
+        base = vp.block_table[b * vp.bt_stride + blk * vp.bt_col_stride] * x.sb + hk * x.sh;
+      }
+    }
+  }
+
+  // One row of n elements of x (dtype or codec) at element offset off, as fp32 at dst, zero to np.
+  static void stage_row(const Operand& x, const KVCodec& codec, i64 off, i64 hk, i64 n, i64 np, float* dst) {
+    if (codec.scales) {
+      decode_row(codec, x.data, off, hk, dst);
+    } else {
+      switch (x.dtype) {
+        case DType::f32: std::memcpy(dst, static_cast<const float*>(x.data) + off, static_cast<std::size_t>(n) * 4); break;
+        case DType::bf16: {
+          const auto* s = static_cast<const std::uint16_t*>(x.data) + off;
+          for (i64 i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(static_cast<std::uint32_t>(s[i]) << 16);
+          break;
+        }
+        case DType::f16: Ops::f16_to_f32(static_cast<const std::uint16_t*>(x.data) + off, dst, n); break;
+        default: {
+          const auto* s = static_cast<const double*>(x.data) + off;
+          for (i64 i = 0; i < n; ++i) dst[i] = static_cast<float>(s[i]);
+        }
+      }
+    }
+    for (i64 i = n; i < np; ++i) dst[i] = 0.0f;
+  }
+
+  // W elements e .. e + W - 1 of a row as fp32.
+  template <Src S>
+  static V load_row(const RowRef& r, i64 e) {
+    if constexpr (S == Src::bf16) {
+      return Ops::load_bf16(static_cast<const std::uint16_t*>(r.p) + e);
+    } else if constexpr (S == Src::f16) {
+      return Ops::load_f16(static_cast<const std::uint16_t*>(r.p) + e);
+    } else if constexpr (S == Src::i8) {
+      return Ops::mul(Ops::load_i8(static_cast<const std::int8_t*>(r.p) + e), Ops::set1(r.sc));
+    } else if constexpr (S == Src::q8) {  // a vector lies in one block of 32
+      return Ops::mul(Ops::load_i8(static_cast<const std::int8_t*>(r.p) + e), Ops::set1(half_bits_to_f32(r.sc16[e / kQ8Block])));
+    } else if constexpr (S == Src::e4m3) {
+      return Ops::mul(Ops::load_e4m3(static_cast<const std::uint8_t*>(r.p) + e), Ops::set1(r.sc));
+    } else {
+      return Ops::load(static_cast<const float*>(r.p) + e);
+    }
+  }
+
+  // s[r * SP + x] = q_r . k_x for the R rows and the W keys of a group (rows pitch Dp, nvec vectors).
+  template <Src S>
+  static void group_scores(const float* qf, i64 Dp, i64 R, const RowRef* kp, i64 nvec, float* s) {
+    i64 r = 0;
+    if constexpr (IsaOpsGroupedScores<Ops>) {
+      // Four rows at once, W / 4 keys at a time: each key vector is read once for the four. The
+      // accumulator of (row, key) sees the same fused multiply-adds as in the one-row loop below
+      // and hsum_w reduces every lane alike, so the bits do not depend on the grouping.
+      constexpr int KQ = W / 4;
+      for (; r + 4 <= R; r += 4) {
+        for (int x0 = 0; x0 < W; x0 += KQ) {
+          V acc[W];
+#pragma GCC unroll 16
+          for (int i = 0; i < W; ++i) acc[i] = Ops::zero();
+          for (i64 c = 0; c < nvec; ++c) {
+            V qv[4];
+#pragma GCC unroll 4
+            for (int y = 0; y < 4; ++y) qv[y] = Ops::load(qf + (r + y) * Dp + c * W);
+#pragma GCC unroll 4
+            for (int x = 0; x < KQ; ++x) {
+              const V kv = load_row<S>(kp[x0 + x], c * W);
+#pragma GCC unroll 4
+              for (int y = 0; y < 4; ++y) acc[y * KQ + x] = Ops::fma(qv[y], kv, acc[y * KQ + x]);
+            }
+          }
+          Ops::store_quarters(s + r * SP + x0, SP, Ops::hsum_w(acc));
+        }
+      }
+    }
+    for (; r < R; ++r) {
+      const float* q = qf + r * Dp;
+      V acc[W];
+#pragma GCC unroll 16
+      for (int x = 0; x < W; ++x) acc[x] = Ops::zero();
+      for (i64 c = 0; c < nvec; ++c) {
+        const V qv = Ops::load(q + c * W);
+#pragma GCC unroll 16
+        for (int x = 0; x < W; ++x) acc[x] = Ops::fma(qv, load_row<S>(kp[x], c * W), acc[x]);
+      }
+      if constexpr (IsaOpsGroupedScores<Ops>) {
+        Ops::store(s + r * SP, Ops::hsum_w(acc));
+      } else {
+        for (int x = 0; x < W; ++x) s[r * SP + x] = Ops::hsum(acc[x]);
+      }
+    }
+  }
+
+  // For NR rows with the same keys: o_y (NV vectors at o[y]) += p_y,j v_j for keys j = 0 .. n - 1
+  // of a group, ascending (p_y at p[y]); each value vector is read once for the NR rows, and each
+  // row sees the fused multiply-adds of the one-row loop.
+  template <Src S, int NR, int NV>
+  static void group_pv(const float* const* p, i64 n, const RowRef* vrow, i64 e0, float* const* o) {
+    V acc[NR][NV];
+#pragma GCC unroll 4
+    for (int y = 0; y < NR; ++y)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) acc[y][v] = Ops::load(o[y] + e0 + v * W);
+    for (i64 j = 0; j < n; ++j) {
+      V pj[NR];
+#pragma GCC unroll 4
+      for (int y = 0; y < NR; ++y) pj[y] = Ops::set1(p[y][j]);
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) {
+        const V vv = load_row<S>(vrow[j], e0 + v * W);
+#pragma GCC unroll 4
+        for (int y = 0; y < NR; ++y) acc[y][v] = Ops::fma(pj[y], vv, acc[y][v]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int y = 0; y < NR; ++y)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) Ops::store(o[y] + e0 + v * W, acc[y][v]);
+  }
+
+  // NR rows (1, 2 or 4) over nvec vectors of Dv, kPvVecs / NR vectors at a time in registers.
+  template <Src S, int NR>
+  static void pv_rows(const float* const* p, i64 n, const RowRef* vrow, i64 nvec, float* const* o) {
+    constexpr int kNV = kPvVecs * 2 / NR > kPvVecs ? kPvVecs : kPvVecs * 2 / NR;
+    for (i64 c = 0; c < nvec; c += kNV) {
+      const int nv = static_cast<int>(std::min<i64>(kNV, nvec - c));
+      with_int<1, kNV>(nv, [&]<int NV>() __attribute__((always_inline)) {
+        group_pv<S, NR, NV>(p, n, vrow, c * W, o);
+      });
+    }
+  }
+
+  // The item: rows of tokens it.t0 .. it.t0 + it.nt - 1 of sequence it.b, the query heads of KV
+  // heads it.hk .. it.hk + it.nh - 1, split it.c; partials to parts (row (t, h) of the sequence
+  // at ((t Hq + h) NS + c) (Dvp + 2)). Row r is KV head hk + r / Rh, token t0 + (r % Rh) / G.
+  static void run(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, i64 NS, char* ws) {
+    const Problem& p = vp.p;
+    const i64 G = p.group(), D = p.D, Dv = p.Dv, Rh = it.nt * G, R = Rh * it.nh, b = it.b, c = it.c;
+    const i64 Dp = round_up(D), Dvp = round_up(Dv), nq = Dp / W, nv = Dvp / W, pf = Dvp + 2;
+    auto carve = [&ws](i64 bytes) { char* r = ws; ws += (bytes + 63) / 64 * 64; return r; };
+    float* qf = reinterpret_cast<float*>(carve(L.rows * Dp * 4));
+    float* s = reinterpret_cast<float*>(carve(L.rows * SP * 4));
+    float* kst = reinterpret_cast<float*>(carve(W * Dp * 4));
+    float* vst = reinterpret_cast<float*>(carve(W * Dvp * 4));
+    float* zero = reinterpret_cast<float*>(carve(std::max(Dp, Dvp) * 4));
+    i64* lo = reinterpret_cast<i64*>(carve(L.rows * 8));
+    i64* hi = reinterpret_cast<i64*>(carve(L.rows * 8));
+    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
+    std::memset(zero, 0, static_cast<std::size_t>(std::max(Dp, Dvp)) * 4);
+    auto head_of = [&](i64 r) { return it.hk + r / Rh; };
+    auto part_of = [&](i64 r) {
+      const i64 rr = r % Rh;
+      return parts + (((it.t0 + rr / G) * p.Hq + head_of(r) * G + rr % G) * NS + c) * pf;
+    };
+
+    // The rows' key ranges within the split, and their queries in fp32 (zero past D).
+    const i64 s0 = c * P, s1 = s0 + P;
+    i64 a = s1, e = s0;
+    for (i64 r = 0; r < R; ++r) {
+      const i64 rr = r % Rh, t = it.t0 + rr / G, h = head_of(r) * G + rr % G, tok = vp.cu_q[b] + t;
+      vp.key_range(b, t, lo[r], hi[r]);
+      lo[r] = std::max(lo[r], s0);
+      hi[r] = std::min(hi[r], s1);
+      if (lo[r] < hi[r]) { a = std::min(a, lo[r]); e = std::max(e, hi[r]); }
+      stage_row(p.q, KVCodec{}, h * p.q.sh + tok * p.q.ss, 0, D, Dp, qf + r * Dp);
+      float* part = part_of(r);
+      std::memset(part, 0, static_cast<std::size_t>(Dvp) * 4);
+      part[Dvp] = neg_inf;
+      part[Dvp + 1] = 0.0f;
+    }
+    if (a >= e) return;
+
+    // Few rows per key (decode): rows read in place, converted in registers; more rows
+    // (prefill): each group of keys decoded once into the workspace and shared by the rows.
+    const Src ks = src_of(p.k, vp.kc, D, Dp), vs = src_of(p.v, vp.vc, Dv, Dvp);
+    const bool in_place = Rh <= 4;
+    const Src kread = in_place ? ks : Src::f32, vread = in_place ? vs : Src::f32;
+    const i64 g0 = a / W * W;
+    i64 off[W];
+    RowRef rows[W];
+    const auto* zero16 = reinterpret_cast<const std::uint16_t*>(zero);
+    // Quantized rows find their scale by row index off / D (D a power of two: a shift).
+    const int d_shift = (D & (D - 1)) == 0 ? std::countr_zero(static_cast<std::uint64_t>(D)) : -1;
+    auto row_index = [&](i64 o) { return d_shift >= 0 ? o >> d_shift : o / D; };
+
+    // Rows of keys j0 .. j0 + W - 1 of KV head hk (those outside [a, e) read as zeros): in place
+    // or staged.
+    auto group_rows = [&](const Operand& x, const KVCodec& codec, Src src, i64 n, i64 np, float* st, i64 hk, i64 j0) {
+      const i64 ja = std::max(j0, a), jb = std::min(j0 + W, e);
+      row_offsets(vp, x, b, hk, ja, jb - ja, off + (ja - j0));
+      const i64 esz = codec.scales ? 1 : static_cast<i64>(dtype_size(x.dtype));
+      const float head_scale = codec.format == KVFormat::fp8 ? static_cast<const float*>(codec.scales)[hk * codec.sh] : 0.0f;
+      for (i64 i = 0; i < W; ++i) {
+        const i64 j = j0 + i;
+        RowRef& ref = rows[i];
+        if (j < ja || j >= jb) { ref = {zero, 0.0f, zero16}; continue; }
+        ref = {static_cast<const char*>(x.data) + off[i] * esz, head_scale, zero16};
+        if (src == Src::i8) ref.sc = static_cast<const float*>(codec.scales)[row_index(off[i])];
+        if (src == Src::q8) ref.sc16 = static_cast<const std::uint16_t*>(codec.scales) + row_index(off[i]) * codec.nb;
+        if (in_place && src != Src::staged) continue;
+        float* dst = st + i * np;
+        if (src == Src::staged) {
+          stage_row(x, codec, off[i], hk, n, np, dst);
+        } else {
+          with_src(src, [&]<Src S>() {
+            for (i64 c = 0; c < np; c += W) Ops::store(dst + c, load_row<S>(ref, c));
+          });
+        }
+        ref = {dst, 0.0f, zero16};
+      }
+    };
+
+    // One row per KV head (decode): the item streams keys and values at memory speed, one
+    // token's heads side by side (packed) or a head's block of keys (paged). A 4 KiB page holds
+    // a few tokens, too few for the hardware prefetcher to follow across pages: rows kAhead keys
+    // ahead are requested into L2 (measured: bf16 decode, Hkv = 8, from 26 to 36 GB/s). With
+    // more rows per head the item computes longer per byte and this only adds instructions.
+    constexpr i64 kAhead = 32;
+    const bool stream = Rh == 1;
+    auto prefetch = [&](const Operand& x, const KVCodec& codec, i64 n, i64 hk, i64 j0) {
+      const i64 ja = std::max(j0, a), jb = std::min(j0 + W, e);
+      if (ja >= jb) return;
+      const i64 esz = codec.scales ? 1 : static_cast<i64>(dtype_size(x.dtype)), bytes = n * esz;
+      i64 pf_off[W];
+      row_offsets(vp, x, b, hk, ja, jb - ja, pf_off);
+      for (i64 i = 0; i < jb - ja; ++i) {
+        const char* row = static_cast<const char*>(x.data) + pf_off[i] * esz;
+        for (i64 l = 0; l < bytes; l += 64) __builtin_prefetch(row + l, 0, 2);
+      }
+    };
+    auto prefetch_ahead = [&](const Operand& x, const KVCodec& codec, i64 n, i64 hk, i64 j0) {
+      if (!stream) return;
+      if (j0 == g0)
+        for (i64 f = W; f < kAhead; f += W) prefetch(x, codec, n, hk, j0 + f);
+      prefetch(x, codec, n, hk, j0 + kAhead);
+    };
+
+    // Scores of every row against every key of [g0, e), a group of W keys at a time, the KV
+    // heads in turn (in a packed [T, Hkv, D] cache a token's heads are adjacent: read in order).
+    for (i64 j0 = g0; j0 < e; j0 += W)
+      for (i64 x = 0; x < it.nh; ++x) {
+        prefetch_ahead(p.k, vp.kc, D, it.hk + x, j0);
+        group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0);
+        const float* qh = qf + x * Rh * Dp;
+        float* sg = s + x * Rh * SP + (j0 - s0);
+        with_src(kread, [&]<Src S>() { group_scores<S>(qh, Dp, Rh, rows, nq, sg); });
+      }
+
+    // Per row: scale (and softcap), the mask, max, exponentials, their sum.
+    alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    static_assert(W <= 16);
+    const V iota = Ops::load(kIota), vscale = Ops::set1(scale);
+    for (i64 r = 0; r < R; ++r) {
+      if (lo[r] >= hi[r]) continue;
+      float* sr = s + r * SP - s0;
+      const i64 ga = lo[r] / W * W;
+      const V vlo = Ops::set1(static_cast<float>(lo[r] - s0)), vhi = Ops::set1(static_cast<float>(hi[r] - s0));
+      if (cap > 0.0f) {
+        for (i64 j = lo[r]; j < hi[r]; ++j) sr[j] = cap * std::tanh((sr[j] * scale) / cap);
+      }
+      V vm = Ops::set1(neg_inf);
+      for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
+        V x = Ops::load(sr + j0);
+        if (cap <= 0.0f) x = Ops::mul(x, vscale);
+        x = Ops::range_select(x, vlo, vhi, Ops::add(Ops::set1(static_cast<float>(j0 - s0)), iota));
+        Ops::store(sr + j0, x);
+        vm = Ops::max(vm, x);
+      }
+      alignas(64) float lanes[W];
+      Ops::store(lanes, vm);
+      float m = neg_inf;
+      for (int x = 0; x < W; ++x) m = lanes[x] > m ? lanes[x] : m;
+      const float ms = m == neg_inf ? 0.0f : m;  // nothing but -inf: every weight 0
+      const V vms = Ops::set1(ms);
+      V vl = Ops::zero();
+      for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
+        const V pj = Ops::exp(Ops::sub(Ops::load(sr + j0), vms));
+        Ops::store(sr + j0, pj);
+        vl = Ops::add(vl, pj);
+      }
+      float* part = part_of(r);
+      part[Dvp] = ms;
+      part[Dvp + 1] = Ops::hsum(vl);
+    }
+
+    // O += p_j v_j over each row's own keys, ascending, a group of W values at a time.
+    for (i64 j0 = g0; j0 < e; j0 += W)
+      for (i64 x = 0; x < it.nh; ++x) {
+        prefetch_ahead(p.v, vp.vc, Dv, it.hk + x, j0);
+        group_rows(p.v, vp.vc, vs, Dv, Dvp, vst, it.hk + x, j0);
+        // Rows with the same keys in this group (a token's query heads) share each value read.
+        for (i64 r = x * Rh; r < (x + 1) * Rh;) {
+          const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
+          int nr = 1;
+          while (nr < 4 && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
+          if (nr == 3) nr = 2;
+          if (ja < jb) {
+            const float* pr[4];
+            float* o[4];
+            for (int y = 0; y < nr; ++y) {
+              pr[y] = s + (r + y) * SP + (ja - s0);
+              o[y] = part_of(r + y);
+            }
+            const RowRef* vr = rows + (ja - j0);
+            with_src(vread, [&]<Src S>() {
+              if (nr == 4) pv_rows<S, 4>(pr, jb - ja, vr, nv, o);
+              else if (nr == 2) pv_rows<S, 2>(pr, jb - ja, vr, nv, o);
+              else pv_rows<S, 1>(pr, jb - ja, vr, nv, o);
+            });
+          }
+          r += nr;
+        }
+      }
+  }
+};
+
+}  // namespace qkv::detail::QKV_ENGINE_NS
