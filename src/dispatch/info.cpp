@@ -18,8 +18,10 @@ std::string bf16_dot_string() {
   char rate[96];
   std::snprintf(rate, sizeof rate, "measured %.2fx the fp32 FMA rate", detail::bf16_dot_rate());
   if (detail::bf16_dot_enabled())
-    return std::string("used (") + rate + (detail::bf16_dot_requested() ? ", asked for by QKV_ISA=avx512bf16)" : ")");
-  return std::string("not used: ") + rate + " (QKV_ISA=avx512bf16 forces them)";
+    return std::string("used (") + rate +
+           (detail::bf16_dot_requested() ? ", asked for by QKV_ISA=avx512bf16)" : "; a CPU without AMX hardware)");
+  return std::string("not used: ") + rate + "; a CPU with AMX hardware, where they run at half the FMA rate " +
+         "(QKV_ISA=avx512bf16 forces them)";
 }
 
 bool bf16_dot_used() { return detail::bf16_dot_enabled() && detail::active_isa() == detail::Isa::avx512bf16; }

@@ -53,13 +53,13 @@ namespace qkv::detail {
 /// its bf16 dot-product path may be used.
 const IsaKernels& active_isa_kernels(bool& bf16_dot) noexcept;
 /// The measured rate of the bf16 dot product against the fp32 FMA (0 where there is none),
-/// measured once per process.
+/// measured once per process when first asked (qkv info, qkv bench); no kernel choice uses it.
 double bf16_dot_rate() noexcept;
 /// Whether the fast kernels use bf16 products for bf16 inputs: always on avx512amx (AMX tiles);
-/// on avx512bf16 (vdpbf16ps) when they run at least kBf16DotMinRate x the fp32 FMA rate, or when
-/// avx512bf16 was asked for by name.
+/// on avx512bf16 (vdpbf16ps) on CPUs without AMX hardware (where vdpbf16ps runs at twice the FMA
+/// rate; with AMX hardware it runs at half), or when avx512bf16 was asked for by name. Decided
+/// from CPUID, never from bf16_dot_rate(), so every process on a CPU makes the same choice.
 bool bf16_dot_enabled() noexcept;
-inline constexpr double kBf16DotMinRate = 1.25;
 /// Threads a call uses: params.num_threads, or OpenMP's default when 0 (1 for calls under ~10^6
 /// multiply-adds, which cannot repay waking a thread team).
 int call_threads(const Problem& p) noexcept;

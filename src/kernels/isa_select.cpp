@@ -34,12 +34,15 @@ double bf16_dot_rate() noexcept {
 }
 
 bool bf16_dot_enabled() noexcept {
-  // Which form computes a bf16 call depends on the CPU, as the ISA level does; the margin
-  // around 1 keeps the choice stable on a busy machine (CPUs measure near 0.5 or near 2).
+  // Which form computes a bf16 call depends on the CPU, as the ISA level does, and never on a
+  // timing: processes that exchange results (ranks of one context-parallel call) must agree,
+  // and a rate measured on a busy machine does not (0.69x seen where the CPU runs 2x). The
+  // CPUs that run vdpbf16ps at half the FMA rate are those with AMX hardware (Sapphire Rapids
+  // and later; 0.5x measured); the others run it at twice the rate (Zen 4: 2.0x measured).
   // AMX tiles are always the fastest form where they exist.
   const Isa isa = active_isa();
   if (isa == Isa::avx512amx) return true;
-  return isa == Isa::avx512bf16 && (bf16_dot_requested() || bf16_dot_rate() >= kBf16DotMinRate);
+  return isa == Isa::avx512bf16 && (bf16_dot_requested() || !cpu_features().amx_hw);
 }
 
 int call_threads(const Problem& p) noexcept {

@@ -48,7 +48,8 @@ CpuFeatures detect() noexcept {
       f.avx512fp16 = (d >> 23) & 1u;
       // AMX: the CPU's tiles, the OS saving their state (XCR0 bits 17, 18), and on Linux the
       // process's permission to use the 8 KiB of tile data (asked for once, here).
-      const bool amx_cpu = ((d >> 24) & 1u) && ((d >> 22) & 1u) && (xcr0 & 0x60000u) == 0x60000u;
+      f.amx_hw = ((d >> 24) & 1u) && ((d >> 22) & 1u);
+      const bool amx_cpu = f.amx_hw && (xcr0 & 0x60000u) == 0x60000u;
 #if defined(__linux__) && defined(SYS_arch_prctl)
       constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
       f.amx = amx_cpu && syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;

@@ -10,6 +10,9 @@ struct CpuFeatures {
   bool avx512bf16 = false, avx512fp16 = false;
   /// AMX-TILE and AMX-BF16, their state saved by the OS, and (Linux) permission to use them.
   bool amx = false;
+  /// AMX-TILE and AMX-BF16 in CPUID, whatever the OS allows: the CPUs (Sapphire Rapids and later)
+  /// whose vdpbf16ps runs at half the fp32 FMA rate.
+  bool amx_hw = false;
   /// AVX-512 F/BW/DQ/VL with the OS saving ZMM state: what the avx512 kernels need.
   bool avx512() const noexcept { return avx512f && avx512bw && avx512dq && avx512vl; }
   bool avx2_fma() const noexcept { return avx2 && fma && f16c; }
