@@ -35,13 +35,21 @@ def _framework(name, x):
                     f"{type(x).__name__}")
 
 
+# (torch.Tensor, its float dtypes): filled on the first check of a tensor, so that attention()
+# recognises a CPU float tensor with a few comparisons.
+_TORCH_CPU_FLOAT = []
+
+
 def _check_float(name, x, fw):
     if fw == "numpy":
         if x.dtype not in _NUMPY_DTYPES:
             raise TypeError(f"{name}: expected dtype float32, float64 or float16, got {x.dtype}")
     else:
         torch = _torch()
-        if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        if not _TORCH_CPU_FLOAT:
+            _TORCH_CPU_FLOAT.extend((torch.Tensor, floats))
+        if x.dtype not in floats:
             raise TypeError(f"{name}: expected dtype float32, float64, float16 or bfloat16, got {x.dtype}")
 
 
@@ -79,17 +87,18 @@ def _empty(fw, like, shape, dtype=None):
     """A new output in the framework of `like`, of `like`'s dtype or `dtype`."""
     if fw == "numpy":
         return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
-    torch = _torch()
     dt = like.dtype if dtype is None else dtype
     if not _NP_OF_TORCH:
-        _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16})
+        torch = _torch()
+        _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                             "from_numpy": torch.from_numpy, "empty": torch.empty})
     npdt = _NP_OF_TORCH.get(dt)
     if npdt is not None and math.prod(shape) <= 4096:
-        # A small output through NumPy: several times cheaper than torch.empty(...) at the size of
-        # a decode step, where the allocation is most of a call. Large outputs (and everything that
-        # autograd keeps) are PyTorch's own.
-        return torch.from_numpy(np.empty(shape, dtype=npdt))
-    return torch.empty(shape, dtype=dt)
+        # A small output through NumPy: cheaper than torch.empty(...) at the size of a decode step,
+        # where the allocation is much of a call. Large outputs (and everything that autograd
+        # keeps) are PyTorch's own.
+        return _NP_OF_TORCH["from_numpy"](np.empty(shape, dtype=npdt))
+    return _NP_OF_TORCH["empty"](shape, dtype=dt)
 
 
 def _lse_dtype(fw, q):
@@ -115,9 +124,10 @@ def _window(window):
 
 def _dims(q, k, v, bshd):
     """(B, Hq, Sq, Sk, Dv) read from the arrays in their layout."""
+    qs = q.shape  # read once: a torch.Size is built on each access
     if bshd:
-        return q.shape[0], q.shape[2], q.shape[1], k.shape[1], v.shape[3]
-    return q.shape[0], q.shape[1], q.shape[2], k.shape[2], v.shape[3]
+        return qs[0], qs[2], qs[1], k.shape[1], v.shape[3]
+    return qs[0], qs[1], qs[2], k.shape[2], v.shape[3]
 
 
 def _detach(x):
@@ -134,12 +144,12 @@ def _raw(x):
     CUDA or meta tensor, an unsupported dtype). The caller holds x for the whole call."""
     if x is None:
         return None
-    torch = _torch()
     if not _CODE_OF_TORCH:  # qkv::DType's order
+        torch = _torch()
         _CODE_OF_TORCH.update({torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-                               torch.bool: 4, torch.int32: 5, torch.int64: 6})
+                               torch.bool: 4, torch.int32: 5, torch.int64: 6, "strided": torch.strided})
     code = _CODE_OF_TORCH.get(x.dtype)
-    if code is None or not x.is_cpu or x.layout is not torch.strided or x.is_neg():
+    if code is None or not x.is_cpu or x.layout is not _CODE_OF_TORCH["strided"] or x.is_neg():
         return x.detach()
     return (x.data_ptr(), x.shape, x.stride(), code)
 
@@ -206,6 +216,8 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         fw = "numpy"
         if q.dtype not in _NUMPY_DTYPES:
             _check_float("q", q, fw)
+    elif _TORCH_CPU_FLOAT and type(q) is _TORCH_CPU_FLOAT[0] and q.dtype in _TORCH_CPU_FLOAT[1] and q.is_cpu:
+        fw = "torch"
     else:
         fw = _framework("q", q)
         _check_float("q", q, fw)
