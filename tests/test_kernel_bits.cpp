@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention_diff.hpp"
+#include "kernels/isa_kernels.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/tensor.hpp"
 
@@ -166,6 +167,28 @@ TEST(KernelBits, FixedGridOnEveryIsa) {
     GTEST_SKIP() << "wrote " << write_to;
   }
   EXPECT_GT(compared, 0);
+}
+
+// Which form computes a bf16 call (and so its bits) is a fact of the CPU and the requested
+// level, never of a timing: processes exchanging partial results (the ranks of one distributed
+// call) must all choose the same, and a rate measured on a busy machine once chose differently.
+TEST(KernelBits, Bf16DotChoiceIsACpuFact) {
+  using detail::Isa;
+  {
+    IsaCap cap(Isa::avx512);
+    EXPECT_FALSE(detail::bf16_dot_enabled()) << "no bf16 dot products below avx512bf16";
+  }
+  if (detail::active_isa() == Isa::avx512amx) EXPECT_TRUE(detail::bf16_dot_enabled()) << "AMX tiles";
+  if (detail::active_isa() == Isa::avx512bf16 && !detail::bf16_dot_requested()) {
+    const bool before = detail::bf16_dot_enabled();
+    EXPECT_EQ(before, !detail::cpu_features().amx_hw);
+    (void)detail::bf16_dot_rate();  // a timing, taken now: must not move the choice
+    EXPECT_EQ(detail::bf16_dot_enabled(), before);
+  }
+  {
+    IsaCap cap(Isa::avx512bf16);
+    if (detail::active_isa() == Isa::avx512bf16) EXPECT_TRUE(detail::bf16_dot_enabled()) << "asked for by name";
+  }
 }
 
 }  // namespace
