@@ -35,6 +35,7 @@
 #include "kernels/serving.hpp"
 #include "kernels/workspace.hpp"
 #include "platform/cpu_features.hpp"
+#include "platform/team.hpp"
 
 namespace qkv::detail {
 namespace {
@@ -138,18 +139,15 @@ void serving_kernel(const VarlenProblem& vp) {
   float* parts = reinterpret_cast<float*>(ws);
   char* tws = ws + (parts_bytes + 63) / 64 * 64;
   const i64 rows_total = vp.cu_q[static_cast<std::size_t>(B)] * p.Hq;
-#pragma omp parallel num_threads(threads)
-  {
-    char* mine = tws + per * static_cast<std::size_t>(omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1)
-    for (i64 x = 0; x < n; ++x) {
+  run_team(threads, [&](const TeamLoops& team) {
+    char* mine = tws + per * static_cast<std::size_t>(team.thread());
+    team.dynamic(n, [&](i64 x) {
       const ServingItem& it = items[static_cast<std::size_t>(x)];
       item(vp, it, L, parts + part_base[static_cast<std::size_t>(it.b)], NS[static_cast<std::size_t>(it.b)], mine);
-    }
+    });
     // Merge: row (token tok, head h), whatever thread takes it.
     double* accd = reinterpret_cast<double*>(mine);
-#pragma omp for schedule(static)
-    for (i64 row = 0; row < rows_total; ++row) {
+    team.fixed(rows_total, [&](i64 row) {
       const i64 tok = row / p.Hq, h = row % p.Hq;
       const i64 b = static_cast<i64>(std::upper_bound(vp.cu_q.begin(), vp.cu_q.end(), tok) - vp.cu_q.begin()) - 1;
       const i64 t = tok - vp.cu_q[static_cast<std::size_t>(b)], ns = NS[static_cast<std::size_t>(b)];
@@ -158,8 +156,8 @@ void serving_kernel(const VarlenProblem& vp) {
       const float* rp = parts + part_base[static_cast<std::size_t>(b)] + (t * p.Hq + h) * ns * pf;
       const i64 c_lo = lo < hi ? lo / P : 0, c_hi = lo < hi ? (hi + P - 1) / P : 0;
       merge_row(p, rp, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss);
-    }
-  }
+    });
+  });
 }
 
 }  // namespace qkv::detail

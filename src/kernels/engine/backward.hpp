@@ -34,8 +34,6 @@
 // key lengths; keys outside every row's range are never read and get dK = dV = 0); within a tile,
 // an excluded (row, key) gets P = 0 and dS = 0, and the products skip zero weights, so NaN or inf
 // in a key or value excluded for a row never reaches that row's gradients.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,6 +46,7 @@
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/workspace.hpp"
+#include "platform/team.hpp"
 #include "qkv/tensor.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
@@ -250,19 +249,16 @@ struct Backward {
     const i64 Dp = dp(p), head = pl.rows * Dp;  // floats of one chunk's dQ buffer
     float* partial = reinterpret_cast<float*>(ws + wsb * threads);
     const i64 pairs = p.B * p.Hkv;
-#pragma omp parallel num_threads(threads)
-    {
-      const Ws w = Tiles::carve(p, ws + wsb * omp_get_thread_num());
+    run_team(threads, [&](const TeamLoops& team) {
+      const Ws w = Tiles::carve(p, ws + wsb * team.thread());
       for (i64 p0 = 0; p0 < pairs; p0 += pl.wave) {
         const i64 np = std::min(pl.wave, pairs - p0);
-#pragma omp for schedule(dynamic, 1)
-        for (i64 it = 0; it < np * pl.C; ++it) {
+        team.dynamic(np * pl.C, [&](i64 it) {
           const i64 pr = p0 + it / pl.C;
           chunk<E, DP, MASK, CAP>(bp, pl, w, pr / p.Hkv, pr % p.Hkv, it % pl.C, partial + it * head);
-        }
+        });
         // dQ of each row: its chunks' buffers summed in chunk order, rounded once.
-#pragma omp for schedule(static)
-        for (i64 r = 0; r < np * pl.rows; ++r) {
+        team.fixed(np * pl.rows, [&](i64 r) {
           const i64 pr = p0 + r / pl.rows, rr = r % pl.rows;
           const i64 b = pr / p.Hkv, h = (pr % p.Hkv) * p.group() + rr / p.Sq, i = rr % p.Sq;
           const float* src = partial + (r / pl.rows) * pl.C * head + rr * Dp;
@@ -270,9 +266,9 @@ struct Backward {
           for (i64 c = 1; c < pl.C; ++c)
             for (i64 x = 0; x < p.D; ++x) w.acc[x] += src[c * head + x];
           Tiles::store_row(bp.dq, b * bp.dq.sb + h * bp.dq.sh + i * bp.dq.ss, w.acc, p.D);
-        }
+        });
       }
-    }
+    });
   }
 };
 

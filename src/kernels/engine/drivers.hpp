@@ -14,8 +14,6 @@
 // chunk order (merge_partials_lse).
 //
 // No result depends on the number of threads or on the schedule.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -28,6 +26,7 @@
 #include "kernels/engine/decode_fast.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/workspace.hpp"
+#include "platform/team.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
@@ -49,9 +48,8 @@ struct Drivers {
     const i64 ngroup = (nqb + kGroup - 1) / kGroup;
     const i64 items = ngroup * p.B * p.Hq;
     const std::size_t wsb = Wsp::ws_bytes(p);
-#pragma omp parallel num_threads(threads)
-    {
-      char* mine = ws + kGroup * wsb * omp_get_thread_num();
+    run_team(threads, [&](const TeamLoops& team) {
+      char* mine = ws + kGroup * wsb * team.thread();
       Ws w[kGroup];
       for (int x = 0; x < kGroup; ++x) w[x] = Wsp::carve(p, mine + x * wsb);
       // The blocks of a group read the same K/V tiles: one converted or repacked copy of each.
@@ -61,8 +59,7 @@ struct Drivers {
         w[x].vp = w[0].vp;
         w[x].tags = w[0].tags;
       }
-#pragma omp for schedule(dynamic, 1)
-      for (i64 it = 0; it < items; ++it) {
+      team.dynamic(items, [&](i64 it) {
         // One item: a group of adjacent query blocks (process_group). Head-major: consecutive
         // items, on every thread, share one head's K and V, which then stay in L2/L3 instead
         // of cycling through all heads' K/V. Within a head, last query blocks first: under causal
@@ -74,8 +71,8 @@ struct Drivers {
         for (i64 qb = nqb - 1 - kGroup * gq; g < kGroup && qb >= 0; --qb, ++g) blk[g] = make_block(p, b, h, qb, w[g]);
         Bp::template process_group<E, DP, MASK, CAP>(p, blk, w, g);
         for (int x = 0; x < g; ++x) Bp::finish(p, w[x], blk[x].n);
-      }
-    }
+      });
+    });
   }
 
   // Query block qb of (b, h): its rows into w.rows, its key range.
@@ -126,11 +123,9 @@ struct Drivers {
     const i64 items = p.B * p.Hkv * nrb * NC;
     const i64 G = p.group();
     const bool fast = Fast::decode_fast_ok(p);
-#pragma omp parallel num_threads(threads)
-    {
-      const Ws w = Wsp::carve(p, ws + wsb * omp_get_thread_num());
-#pragma omp for schedule(dynamic, 1)
-      for (i64 it = 0; it < items; ++it) {
+    run_team(threads, [&](const TeamLoops& team) {
+      const Ws w = Wsp::carve(p, ws + wsb * team.thread());
+      team.dynamic(items, [&](i64 it) {
         const i64 c = it % NC;
         const i64 rb = (it / NC) % nrb;
         const i64 bhk = it / (NC * nrb);
@@ -161,12 +156,10 @@ struct Drivers {
           dst[r * row_f + Dvp] = w.m[r];
           dst[r * row_f + Dvp + 1] = w.l[r];
         }
-      }
+      });
       // Merge the chunk partials of each row in chunk order (independent of the schedule).
-      const i64 rows_total = p.B * p.Hkv * R;
-#pragma omp for schedule(static)
-      for (i64 x = 0; x < rows_total; ++x) merge_partials_lse(p, parts, NC, R, Dvp, G, x, w);
-    }
+      team.fixed(p.B * p.Hkv * R, [&](i64 x) { merge_partials_lse(p, parts, NC, R, Dvp, G, x, w); });
+    });
   }
 
   // Row x = (b Hkv + hk) R + rr of the decode rows: its NC chunk partials (O_c, m_c, l_c) in
