@@ -1,7 +1,7 @@
 """qkv.attention and qkv.attention_backward on NumPy arrays and PyTorch CPU tensors.
 
 Arrays reach the C++ library without a copy (NumPy arrays through DLPack or the buffer protocol,
-PyTorch tensors as descriptors of their memory, see _raw(), or through DLPack): any strides are
+PyTorch tensors through their data_ptr(), shape and stride(), or through DLPack): any strides are
 accepted provided the last dimension is contiguous; anything else is refused with the C++
 message, never copied behind the caller's back. Outputs are allocated here, in the framework and
 dtype of q, and the C++ call runs with the GIL released.
@@ -83,22 +83,28 @@ def _aux(name, x, fw):
 _NP_OF_TORCH = {}
 
 
+def _torch_fns():
+    """NumPy dtypes of torch float dtypes, and the torch allocators, looked up once."""
+    if not _NP_OF_TORCH:
+        torch = _torch()
+        _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                             "from_numpy": torch.from_numpy, "empty": torch.empty, "empty_like": torch.empty_like})
+    return _NP_OF_TORCH
+
+
 def _empty(fw, like, shape, dtype=None):
     """A new output in the framework of `like`, of `like`'s dtype or `dtype`."""
     if fw == "numpy":
         return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
     dt = like.dtype if dtype is None else dtype
-    if not _NP_OF_TORCH:
-        torch = _torch()
-        _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                             "from_numpy": torch.from_numpy, "empty": torch.empty})
-    npdt = _NP_OF_TORCH.get(dt)
+    fns = _NP_OF_TORCH or _torch_fns()
+    npdt = fns.get(dt)
     if npdt is not None and math.prod(shape) <= 4096:
         # A small output through NumPy: cheaper than torch.empty(...) at the size of a decode step,
         # where the allocation is much of a call. Large outputs (and everything that autograd
         # keeps) are PyTorch's own.
-        return _NP_OF_TORCH["from_numpy"](np.empty(shape, dtype=npdt))
-    return _NP_OF_TORCH["empty"](shape, dtype=dt)
+        return fns["from_numpy"](np.empty(shape, dtype=npdt))
+    return fns["empty"](shape, dtype=dt)
 
 
 def _lse_dtype(fw, q):
@@ -134,39 +140,18 @@ def _detach(x):
     return x.detach() if x.requires_grad else x
 
 
-_CODE_OF_TORCH = {}
-
-
-def _raw(x):
-    """What the extension reads of a PyTorch tensor, without a copy: a descriptor (data_ptr, shape,
-    strides, dtype code) of a strided CPU tensor (the cheapest form: a quarter of a microsecond),
-    else the detached tensor itself, taken through DLPack, which reports what it cannot read (a
-    CUDA or meta tensor, an unsupported dtype). The caller holds x for the whole call."""
-    if x is None:
-        return None
-    if not _CODE_OF_TORCH:  # qkv::DType's order
-        torch = _torch()
-        _CODE_OF_TORCH.update({torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3,
-                               torch.bool: 4, torch.int32: 5, torch.int64: 6, "strided": torch.strided})
-    code = _CODE_OF_TORCH.get(x.dtype)
-    if code is None or not x.is_cpu or x.layout is not _CODE_OF_TORCH["strided"] or x.is_neg():
-        return x.detach()
-    return (x.data_ptr(), x.shape, x.stride(), code)
-
-
 def _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_lens, kernel, threads,
              want_lse, want_probs):
     """Runs the C++ forward on checked inputs; returns (out, lse or None, probs or None)."""
     B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
-    out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
+    if fw == "torch" and Dv == q.shape[3] and q.is_contiguous():
+        out = (_NP_OF_TORCH or _torch_fns())["empty_like"](q)  # q's shape, dtype, layout: the cheapest
+    else:
+        out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
     lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q)) if want_lse else None
     probs = _empty(fw, q, (B, Hq, Sq, Sk), _lse_dtype(fw, q)) if want_probs else None
-    if fw == "torch":
-        _qkv._attention(_raw(q), _raw(k), _raw(v), _raw(out), _raw(lse), _raw(probs), bshd, scale, softcap, causal,
-                        align, wl, wr, _raw(mask), _raw(kv_lens), kernel, threads)
-    else:
-        _qkv._attention(q, k, v, out, lse, probs, bshd, scale, softcap, causal, align, wl, wr, mask, kv_lens,
-                        kernel, threads)
+    _qkv._attention(q, k, v, out, lse, probs, bshd, scale, softcap, causal, align, wl, wr, mask, kv_lens,
+                    kernel, threads)
     return out, lse, probs
 
 
@@ -302,12 +287,7 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *, scale=None, causa
         raise ValueError(f"kernel: expected one of {', '.join(_KERNELS)}, got {kernel!r}")
     gd = grad_dtype if grad_dtype is not None else q.dtype
     dq, dk, dv = _empty(fw, q, q.shape, gd), _empty(fw, q, k.shape, gd), _empty(fw, q, v.shape, gd)
-    if fw == "torch":
-        q, k, v, out, softmax_lse, grad_out, dq_, dk_, dv_, mask, kv_lens = (
-            _raw(x) for x in (q, k, v, out, softmax_lse, grad_out, dq, dk, dv, mask, kv_lens))
-    else:
-        dq_, dk_, dv_ = dq, dk, dv
-    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq_, dk_, dv_, bshd, scale, softcap, causal,
+    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq, dk, dv, bshd, scale, softcap, causal,
                              align, wl, wr, mask, kv_lens, kernel, 0 if num_threads is None else int(num_threads))
     return dq, dk, dv
 

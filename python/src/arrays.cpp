@@ -71,16 +71,101 @@ nb::object numpy_owning(std::vector<T>&& data, const std::vector<std::int64_t>& 
 
 namespace {
 
-TensorView from_descriptor(const char* name, nb::handle h) {
-  const nb::tuple t = nb::borrow<nb::tuple>(h);
-  if (t.size() != 4) throw nb::type_error((std::string(name) + ": expected an array").c_str());
-  const auto ptr = nb::cast<std::uintptr_t>(t[0]);
-  auto shape = nb::cast<Shape>(t[1]);
-  auto strides = nb::cast<Shape>(t[2]);
-  const int code = nb::cast<int>(t[3]);
-  if (code < 0 || code > static_cast<int>(DType::i64))
-    throw nb::type_error((std::string(name) + ": bad dtype code in descriptor").c_str());
-  return TensorView(reinterpret_cast<void*>(ptr), static_cast<DType>(code), std::move(shape), std::move(strides));
+// PyTorch tensors read through their own accessors: data_ptr(), shape, stride() (a fraction of
+// a microsecond for the four arrays of a call, where __dlpack__ takes about 2 us each). The
+// objects compared against are looked up once, after the caller has imported torch (qkv never
+// imports it); anything this path does not read (another device or layout, a dtype qkv has no
+// code for, a lazily negated view) takes DLPack, which reports it.
+struct TorchObjects {
+  PyTypeObject* tensor = nullptr;
+  PyObject* strided = nullptr;
+  PyObject* dtypes[7] = {};  // in qkv::DType's order: f32, f64, f16, bf16, b8, i32, i64
+  PyObject *s_dtype, *s_is_cpu, *s_layout, *s_is_neg, *s_data_ptr, *s_shape, *s_stride;
+};
+
+const TorchObjects* torch_objects() {
+  static TorchObjects t;  // filled once, under the GIL, when torch is first seen imported
+  static bool ready = false;
+  if (ready) return &t;
+  PyObject* mod = PyImport_GetModule(nb::str("torch").ptr());
+  if (!mod) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  nb::object torch = nb::steal(mod);
+  try {
+    t.tensor = reinterpret_cast<PyTypeObject*>(nb::object(torch.attr("Tensor")).release().ptr());
+    t.strided = nb::object(torch.attr("strided")).release().ptr();
+    const char* names[7] = {"float32", "float64", "float16", "bfloat16", "bool", "int32", "int64"};
+    for (int i = 0; i < 7; ++i) t.dtypes[i] = nb::object(torch.attr(names[i])).release().ptr();
+  } catch (const nb::python_error&) {
+    return nullptr;  // a partial torch module: DLPack for everything
+  }
+  t.s_dtype = PyUnicode_InternFromString("dtype");
+  t.s_is_cpu = PyUnicode_InternFromString("is_cpu");
+  t.s_layout = PyUnicode_InternFromString("layout");
+  t.s_is_neg = PyUnicode_InternFromString("is_neg");
+  t.s_data_ptr = PyUnicode_InternFromString("data_ptr");
+  t.s_shape = PyUnicode_InternFromString("shape");
+  t.s_stride = PyUnicode_InternFromString("stride");
+  ready = true;
+  return &t;
+}
+
+Shape int_tuple(nb::handle h) {
+  if (!PyTuple_Check(h.ptr())) throw nb::type_error("expected a tuple of integers");
+  const Py_ssize_t n = PyTuple_GET_SIZE(h.ptr());
+  Shape out(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[static_cast<std::size_t>(i)] = PyLong_AsLongLong(PyTuple_GET_ITEM(h.ptr(), i));
+    if (PyErr_Occurred()) throw nb::python_error();
+  }
+  return out;
+}
+
+// The view of a strided CPU tensor of a known dtype, or nothing (the caller takes DLPack, which
+// names a device or dtype it refuses). A sparse layout and a lazily negated view (whose memory
+// holds the values before negation; DLPack would hand that memory over as it is) are refused.
+std::optional<TensorView> torch_view(const char* name, const TorchObjects& t, nb::handle h) {
+  PyObject* x = h.ptr();
+  nb::object dt = nb::steal(PyObject_GetAttr(x, t.s_dtype));
+  if (!dt.is_valid()) throw nb::python_error();
+  int code = -1;
+  for (int i = 0; i < 7; ++i)
+    if (dt.ptr() == t.dtypes[i]) code = i;
+  if (code < 0) return std::nullopt;
+  nb::object cpu = nb::steal(PyObject_GetAttr(x, t.s_is_cpu));
+  nb::object layout = nb::steal(PyObject_GetAttr(x, t.s_layout));
+  if (!cpu.is_valid() || !layout.is_valid()) throw nb::python_error();
+  if (layout.ptr() != t.strided)
+    throw nb::type_error((std::string(name) + ": expected a strided (dense) tensor, got layout " +
+                          nb::str(layout).c_str())
+                             .c_str());
+  if (cpu.ptr() != Py_True) return std::nullopt;
+  nb::object neg = nb::steal(PyObject_CallMethodNoArgs(x, t.s_is_neg));
+  if (!neg.is_valid()) throw nb::python_error();
+  if (neg.ptr() != Py_False)
+    throw Error(std::string(name) + ": expected a tensor without the negative bit, got a lazily negated view "
+                "(is_neg() is True); call .resolve_neg() on it first");
+  nb::object ptr = nb::steal(PyObject_CallMethodNoArgs(x, t.s_data_ptr));
+  nb::object shape = nb::steal(PyObject_GetAttr(x, t.s_shape));
+  nb::object strides = nb::steal(PyObject_CallMethodNoArgs(x, t.s_stride));
+  if (!ptr.is_valid() || !shape.is_valid() || !strides.is_valid()) throw nb::python_error();
+  void* data = PyLong_AsVoidPtr(ptr.ptr());
+  if (PyErr_Occurred()) throw nb::python_error();
+  return TensorView(data, static_cast<DType>(code), int_tuple(shape), int_tuple(strides));
+}
+
+// A PyTorch tensor's view, or nothing when h is not one this path reads.
+std::optional<TensorView> try_torch(const char* name, nb::handle h) {
+  const TorchObjects* t = torch_objects();
+  if (!t || !PyObject_TypeCheck(h.ptr(), t->tensor)) return std::nullopt;
+  return torch_view(name, *t, h);
+}
+
+bool is_torch(nb::handle h) {
+  const TorchObjects* t = torch_objects();
+  return t && PyObject_TypeCheck(h.ptr(), t->tensor);
 }
 
 [[noreturn]] void not_an_array(const char* name, nb::handle h, const char* what) {
@@ -92,16 +177,18 @@ TensorView from_descriptor(const char* name, nb::handle h) {
 }  // namespace
 
 TensorView CallArrays::in(const char* name, nb::handle h) {
-  if (PyTuple_CheckExact(h.ptr())) return from_descriptor(name, h);
+  if (auto v = try_torch(name, h)) return *v;
   InArray a;
+  if (is_torch(h)) h = keep(nb::borrow(h).attr("detach")());  // DLPack refuses a tensor that requires grad
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "an array");
   ins_.push_back(a);
   return view_of(name, ins_.back());
 }
 
 TensorView CallArrays::out(const char* name, nb::handle h) {
-  if (PyTuple_CheckExact(h.ptr())) return from_descriptor(name, h);
+  if (auto v = try_torch(name, h)) return *v;
   OutArray a;
+  if (is_torch(h)) h = keep(nb::borrow(h).attr("detach")());
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "a writable array");
   outs_.push_back(a);
   return view_of(name, outs_.back());

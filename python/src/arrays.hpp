@@ -28,11 +28,11 @@ TensorView view_of(const char* name, const OutArray& a);
 std::optional<TensorView> view_of(const char* name, const std::optional<InArray>& a);
 std::optional<TensorView> view_of(const char* name, const std::optional<OutArray>& a);
 
-/// The arguments of one call, each given as an array object (DLPack or the buffer protocol; kept
-/// alive here until the call ends) or, from the package's own Python code for PyTorch tensors, as
-/// a descriptor tuple (data_ptr, shape, strides in elements, qkv::DType code) of a strided CPU
-/// tensor that the caller holds for the duration of the call: the cheapest way to read a tensor
-/// without a copy (python/qkv/_ops.py, _raw()).
+/// The arguments of one call, each an array object: a PyTorch tensor read through its own
+/// accessors (data_ptr(), shape, stride(): the cheapest way without a copy), or anything speaking
+/// DLPack or the buffer protocol (kept alive here until the call ends). Tensors the first path
+/// does not read (another device or layout, an unknown dtype) go through DLPack, which names
+/// what it refuses; a tensor that requires grad is detached for it (the memory is the same).
 class CallArrays {
  public:
   TensorView in(const char* name, nb::handle h);
@@ -45,8 +45,13 @@ class CallArrays {
   }
 
  private:
+  nb::handle keep(nb::object o) {
+    kept_.push_back(std::move(o));
+    return kept_.back();
+  }
   std::vector<InArray> ins_;
   std::vector<OutArray> outs_;
+  std::vector<nb::object> kept_;  // detached tensors handed to DLPack
 };
 
 /// A float64 NumPy array owning `data` (moved), of the given shape.

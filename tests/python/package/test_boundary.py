@@ -20,14 +20,23 @@ def test_zero_copy_numpy_and_torch_strided_views():
     for view in (t[:, :, 1], t[:, :, 2].transpose(1, 2), t[:, 1:, 0]):
         ptr, shape, strides, dtype = _qkv._view_info(view)
         assert ptr == view.data_ptr() and list(view.stride()) == strides and dtype == "bfloat16"
-    # what qkv.attention hands over for a tensor: a descriptor of the same memory
-    from qkv import _ops
-    for view in (t[:, :, 1], t.float()[:, 2:, 0].transpose(1, 2)):
-        ptr, shape, strides, _ = _qkv._view_info(_ops._raw(view))
+    # tensors are read through their accessors: the same memory, shape and strides in elements
+    for view in (t[:, :, 1], t.float()[:, 2:, 0].transpose(1, 2), torch.nn.Parameter(torch.randn(2, 3))):
+        ptr, shape, strides, _ = _qkv._view_info(view)
         assert ptr == view.data_ptr() and strides == list(view.stride()) and shape == list(view.shape)
-    # a leaf that requires grad is read in place too (detached, same storage)
+    # a leaf that requires grad is read in place too (same storage)
     g = torch.randn(1, 2, 3, 8, requires_grad=True)
-    assert _qkv._view_info(g.detach())[0] == g.data_ptr()
+    assert _qkv._view_info(g)[0] == g.data_ptr() and _qkv._view_info(g.detach())[0] == g.data_ptr()
+    # refused with the argument's name: a dtype qkv has no code for (through DLPack), a sparse
+    # layout, and a lazily negated view, whose memory holds the values before negation (DLPack
+    # handed that memory over as it was, and attention computed on the unnegated values)
+    with pytest.raises(TypeError, match="array: expected dtype"):
+        _qkv._view_info(torch.zeros(2, 3, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="array: expected a strided"):
+        _qkv._view_info(torch.randn(2, 3).to_sparse())
+    x = torch._neg_view(torch.randn(1, 1, 2, 8))
+    with pytest.raises(ValueError, match="k: expected a tensor without the negative bit"):
+        qkv.attention(x.resolve_neg(), x, x)
 
 
 def test_strided_views_give_the_contiguous_result():
