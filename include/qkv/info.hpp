@@ -19,8 +19,10 @@ std::string cpu_features_string();
 std::string active_isa_string();
 /// How bf16 inputs are multiplied here: on AMX tiles ("used, on AMX tiles (avx512amx)"), with
 /// the AVX512_BF16 dot products (vdpbf16ps), or widened to fp32, and why: e.g.
-/// "used (measured 1.92x the fp32 FMA rate)" or "not used: measured 0.50x the fp32 FMA rate
-/// (QKV_ISA=avx512bf16 forces them)". The rate is measured once per process (about 10 ms).
+/// "used (measured 1.92x the fp32 FMA rate; a CPU without AMX hardware)" or "not used: measured
+/// 0.50x the fp32 FMA rate; a CPU with AMX hardware, where they run at half the FMA rate
+/// (QKV_ISA=avx512bf16 forces them)". The choice comes from CPUID; the rate shown is measured
+/// when this is called (about 10 ms, once per process).
 std::string bf16_dot_string();
 /// Whether bf16 inputs use the AVX512_BF16 dot products (vdpbf16ps) here (see
 /// bf16_dot_string()); false where they use AMX tiles.

@@ -88,7 +88,8 @@ def _torch_fns():
     if not _NP_OF_TORCH:
         torch = _torch()
         _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                             "from_numpy": torch.from_numpy, "empty": torch.empty, "empty_like": torch.empty_like})
+                             "from_numpy": torch.from_numpy, "empty": torch.empty, "empty_like": torch.empty_like,
+                             "Tensor": torch.Tensor, "contiguous_format": torch.contiguous_format})
     return _NP_OF_TORCH
 
 
@@ -104,7 +105,7 @@ def _empty(fw, like, shape, dtype=None):
         # where the allocation is much of a call. Large outputs (and everything that autograd
         # keeps) are PyTorch's own.
         return fns["from_numpy"](np.empty(shape, dtype=npdt))
-    return fns["empty"](shape, dtype=dt)
+    return fns["empty"](shape, dtype=dt, device="cpu")  # not the default device a caller may have set
 
 
 def _lse_dtype(fw, q):
@@ -144,9 +145,16 @@ def _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_
              want_lse, want_probs):
     """Runs the C++ forward on checked inputs; returns (out, lse or None, probs or None)."""
     B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
-    if fw == "torch" and Dv == q.shape[3] and q.is_contiguous():
-        out = (_NP_OF_TORCH or _torch_fns())["empty_like"](q)  # q's shape, dtype, layout: the cheapest
-    else:
+    out = None
+    if fw == "torch" and Dv == q.shape[3]:
+        fns = _NP_OF_TORCH or _torch_fns()
+        if type(q) is fns["Tensor"]:
+            # q's shape and dtype (a plain tensor on the CPU): the cheapest allocation of the output
+            try:
+                out = fns["empty_like"](q, memory_format=fns["contiguous_format"])
+            except RuntimeError:  # a layout without strides: refused by the C++ call, with its name
+                pass
+    if out is None:
         out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
     lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q)) if want_lse else None
     probs = _empty(fw, q, (B, Hq, Sq, Sk), _lse_dtype(fw, q)) if want_probs else None

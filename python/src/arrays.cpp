@@ -5,6 +5,7 @@
 #include <cstring>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "qkv/error.hpp"
 
@@ -71,49 +72,63 @@ nb::object numpy_owning(std::vector<T>&& data, const std::vector<std::int64_t>& 
 
 namespace {
 
-// PyTorch tensors read through their own accessors: data_ptr(), shape, stride() (a fraction of
-// a microsecond for the four arrays of a call, where __dlpack__ takes about 2 us each). The
-// objects compared against are looked up once, after the caller has imported torch (qkv never
-// imports it); anything this path does not read (another device or layout, a dtype qkv has no
-// code for, a lazily negated view) takes DLPack, which reports it.
+// PyTorch tensors read through their own accessors: dtype, is_cpu, layout, is_neg(),
+// data_ptr(), shape, stride() (about half a microsecond per tensor, where __dlpack__ takes about
+// 2 us). The objects compared against are looked up once, after the caller has imported torch
+// (qkv never imports it). A sparse layout and a lazily negated view are refused here by name;
+// a tensor on another device or of a dtype qkv has no code for takes DLPack, which names it.
 struct TorchObjects {
   PyTypeObject* tensor = nullptr;
   PyObject* strided = nullptr;
   PyObject* dtypes[7] = {};  // in qkv::DType's order: f32, f64, f16, bf16, b8, i32, i64
-  PyObject *s_dtype, *s_is_cpu, *s_layout, *s_is_neg, *s_data_ptr, *s_shape, *s_stride;
+  PyObject *s_dtype = nullptr, *s_is_cpu = nullptr, *s_layout = nullptr, *s_is_neg = nullptr,
+           *s_data_ptr = nullptr, *s_shape = nullptr, *s_stride = nullptr;
 };
 
+// Null while torch is not imported (or sys.modules["torch"] is None, as tests set to hide it):
+// then no argument is a tensor. Called with the GIL held.
 const TorchObjects* torch_objects() {
-  static TorchObjects t;  // filled once, under the GIL, when torch is first seen imported
+  static TorchObjects ready_objects;
   static bool ready = false;
-  if (ready) return &t;
+  if (ready) return &ready_objects;
   PyObject* mod = PyImport_GetModule(nb::str("torch").ptr());
-  if (!mod) {
+  if (!mod || mod == Py_None) {
+    Py_XDECREF(mod);
     PyErr_Clear();
     return nullptr;
   }
   nb::object torch = nb::steal(mod);
+  // Filled in full or not at all: every reference is kept (once) only when every lookup worked.
+  TorchObjects t;
+  std::vector<nb::object> held;
   try {
-    t.tensor = reinterpret_cast<PyTypeObject*>(nb::object(torch.attr("Tensor")).release().ptr());
-    t.strided = nb::object(torch.attr("strided")).release().ptr();
-    const char* names[7] = {"float32", "float64", "float16", "bfloat16", "bool", "int32", "int64"};
-    for (int i = 0; i < 7; ++i) t.dtypes[i] = nb::object(torch.attr(names[i])).release().ptr();
+    held.push_back(torch.attr("Tensor"));
+    held.push_back(torch.attr("strided"));
+    for (const char* name : {"float32", "float64", "float16", "bfloat16", "bool", "int32", "int64"})
+      held.push_back(torch.attr(name));
+    for (const char* name : {"dtype", "is_cpu", "layout", "is_neg", "data_ptr", "shape", "stride"}) {
+      PyObject* s = PyUnicode_InternFromString(name);
+      if (!s) throw nb::python_error();
+      held.push_back(nb::steal(s));
+    }
   } catch (const nb::python_error&) {
+    PyErr_Clear();
     return nullptr;  // a partial torch module: DLPack for everything
   }
-  t.s_dtype = PyUnicode_InternFromString("dtype");
-  t.s_is_cpu = PyUnicode_InternFromString("is_cpu");
-  t.s_layout = PyUnicode_InternFromString("layout");
-  t.s_is_neg = PyUnicode_InternFromString("is_neg");
-  t.s_data_ptr = PyUnicode_InternFromString("data_ptr");
-  t.s_shape = PyUnicode_InternFromString("shape");
-  t.s_stride = PyUnicode_InternFromString("stride");
+  if (!PyType_Check(held[0].ptr())) return nullptr;
+  t.tensor = reinterpret_cast<PyTypeObject*>(held[0].release().ptr());
+  t.strided = held[1].release().ptr();
+  for (int i = 0; i < 7; ++i) t.dtypes[i] = held[2 + i].release().ptr();
+  PyObject** names[7] = {&t.s_dtype, &t.s_is_cpu, &t.s_layout, &t.s_is_neg, &t.s_data_ptr, &t.s_shape, &t.s_stride};
+  for (int i = 0; i < 7; ++i) *names[i] = held[9 + i].release().ptr();
+  ready_objects = t;
   ready = true;
-  return &t;
+  return &ready_objects;
 }
 
-Shape int_tuple(nb::handle h) {
-  if (!PyTuple_Check(h.ptr())) throw nb::type_error("expected a tuple of integers");
+Shape int_tuple(const char* name, nb::handle h) {
+  if (!PyTuple_Check(h.ptr()))
+    throw nb::type_error((std::string(name) + ": expected a tensor whose shape and stride() are tuples").c_str());
   const Py_ssize_t n = PyTuple_GET_SIZE(h.ptr());
   Shape out(static_cast<std::size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -125,9 +140,15 @@ Shape int_tuple(nb::handle h) {
 
 // The view of a strided CPU tensor of a known dtype, or nothing (the caller takes DLPack, which
 // names a device or dtype it refuses). A sparse layout and a lazily negated view (whose memory
-// holds the values before negation; DLPack would hand that memory over as it is) are refused.
+// holds the values before negation: DLPack would hand that memory over as it is) are refused.
 std::optional<TensorView> torch_view(const char* name, const TorchObjects& t, nb::handle h) {
   PyObject* x = h.ptr();
+  nb::object layout = nb::steal(PyObject_GetAttr(x, t.s_layout));
+  if (!layout.is_valid()) throw nb::python_error();
+  if (layout.ptr() != t.strided)
+    throw nb::type_error((std::string(name) + ": expected a strided (dense) tensor, got layout " +
+                          nb::str(layout).c_str())
+                             .c_str());
   nb::object dt = nb::steal(PyObject_GetAttr(x, t.s_dtype));
   if (!dt.is_valid()) throw nb::python_error();
   int code = -1;
@@ -135,12 +156,7 @@ std::optional<TensorView> torch_view(const char* name, const TorchObjects& t, nb
     if (dt.ptr() == t.dtypes[i]) code = i;
   if (code < 0) return std::nullopt;
   nb::object cpu = nb::steal(PyObject_GetAttr(x, t.s_is_cpu));
-  nb::object layout = nb::steal(PyObject_GetAttr(x, t.s_layout));
-  if (!cpu.is_valid() || !layout.is_valid()) throw nb::python_error();
-  if (layout.ptr() != t.strided)
-    throw nb::type_error((std::string(name) + ": expected a strided (dense) tensor, got layout " +
-                          nb::str(layout).c_str())
-                             .c_str());
+  if (!cpu.is_valid()) throw nb::python_error();
   if (cpu.ptr() != Py_True) return std::nullopt;
   nb::object neg = nb::steal(PyObject_CallMethodNoArgs(x, t.s_is_neg));
   if (!neg.is_valid()) throw nb::python_error();
@@ -153,14 +169,7 @@ std::optional<TensorView> torch_view(const char* name, const TorchObjects& t, nb
   if (!ptr.is_valid() || !shape.is_valid() || !strides.is_valid()) throw nb::python_error();
   void* data = PyLong_AsVoidPtr(ptr.ptr());
   if (PyErr_Occurred()) throw nb::python_error();
-  return TensorView(data, static_cast<DType>(code), int_tuple(shape), int_tuple(strides));
-}
-
-// A PyTorch tensor's view, or nothing when h is not one this path reads.
-std::optional<TensorView> try_torch(const char* name, nb::handle h) {
-  const TorchObjects* t = torch_objects();
-  if (!t || !PyObject_TypeCheck(h.ptr(), t->tensor)) return std::nullopt;
-  return torch_view(name, *t, h);
+  return TensorView(data, static_cast<DType>(code), int_tuple(name, shape), int_tuple(name, strides));
 }
 
 bool is_torch(nb::handle h) {
@@ -177,18 +186,22 @@ bool is_torch(nb::handle h) {
 }  // namespace
 
 TensorView CallArrays::in(const char* name, nb::handle h) {
-  if (auto v = try_torch(name, h)) return *v;
+  const bool tensor = is_torch(h);
+  if (tensor)
+    if (auto v = torch_view(name, *torch_objects(), h)) return *v;
   InArray a;
-  if (is_torch(h)) h = keep(nb::borrow(h).attr("detach")());  // DLPack refuses a tensor that requires grad
+  if (tensor) h = keep(nb::borrow(h).attr("detach")());  // DLPack refuses a tensor that requires grad
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "an array");
   ins_.push_back(a);
   return view_of(name, ins_.back());
 }
 
 TensorView CallArrays::out(const char* name, nb::handle h) {
-  if (auto v = try_torch(name, h)) return *v;
+  const bool tensor = is_torch(h);
+  if (tensor)
+    if (auto v = torch_view(name, *torch_objects(), h)) return *v;
   OutArray a;
-  if (is_torch(h)) h = keep(nb::borrow(h).attr("detach")());
+  if (tensor) h = keep(nb::borrow(h).attr("detach")());
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "a writable array");
   outs_.push_back(a);
   return view_of(name, outs_.back());

@@ -29,10 +29,10 @@ std::optional<TensorView> view_of(const char* name, const std::optional<InArray>
 std::optional<TensorView> view_of(const char* name, const std::optional<OutArray>& a);
 
 /// The arguments of one call, each an array object: a PyTorch tensor read through its own
-/// accessors (data_ptr(), shape, stride(): the cheapest way without a copy), or anything speaking
-/// DLPack or the buffer protocol (kept alive here until the call ends). Tensors the first path
-/// does not read (another device or layout, an unknown dtype) go through DLPack, which names
-/// what it refuses; a tensor that requires grad is detached for it (the memory is the same).
+/// accessors (data_ptr(), shape, stride(): the cheapest way without a copy; a sparse layout or a
+/// lazily negated view refused by name), or anything speaking DLPack or the buffer protocol (kept
+/// alive here until the call ends). A tensor on another device or of a dtype qkv has no code for
+/// goes through DLPack, detached first (the memory is the same), which names what it refuses.
 class CallArrays {
  public:
   TensorView in(const char* name, nb::handle h);

@@ -37,6 +37,24 @@ def test_zero_copy_numpy_and_torch_strided_views():
     x = torch._neg_view(torch.randn(1, 1, 2, 8))
     with pytest.raises(ValueError, match="k: expected a tensor without the negative bit"):
         qkv.attention(x.resolve_neg(), x, x)
+    y = torch.randn(1, 1, 2, 8).to_sparse()
+    with pytest.raises(TypeError, match="q: expected a strided"):
+        qkv.attention(y, y, y)
+
+
+def test_numpy_calls_with_torch_hidden():
+    # sys.modules["torch"] = None (how tests hide a package): NumPy calls neither fail nor look
+    # for torch on every array
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, qkv\n"
+            "a = np.random.rand(1, 2, 3, 8).astype(np.float32)\n"
+            "o, lse = qkv.attention(a, a, a, return_lse=True)\n"
+            "dq, dk, dv = qkv.attention_backward(a, a, a, o, lse, np.ones_like(o))\n"
+            "assert o.shape == dq.shape == (1, 2, 3, 8)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 def test_strided_views_give_the_contiguous_result():
