@@ -35,21 +35,12 @@ def _framework(name, x):
                     f"{type(x).__name__}")
 
 
-# (torch.Tensor, its float dtypes): filled on the first check of a tensor, so that attention()
-# recognises a CPU float tensor with a few comparisons.
-_TORCH_CPU_FLOAT = []
-
-
 def _check_float(name, x, fw):
     if fw == "numpy":
         if x.dtype not in _NUMPY_DTYPES:
             raise TypeError(f"{name}: expected dtype float32, float64 or float16, got {x.dtype}")
     else:
-        torch = _torch()
-        floats = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-        if not _TORCH_CPU_FLOAT:
-            _TORCH_CPU_FLOAT.extend((torch.Tensor, floats))
-        if x.dtype not in floats:
+        if x.dtype not in _torch_objs()["floats"]:
             raise TypeError(f"{name}: expected dtype float32, float64, float16 or bfloat16, got {x.dtype}")
 
 
@@ -80,17 +71,20 @@ def _aux(name, x, fw):
     return x
 
 
-_NP_OF_TORCH = {}
+# torch's objects that the calls compare against or call, looked up once (after the caller has
+# imported torch; qkv never imports it), so that attention() recognises a CPU float tensor and
+# allocates its output with a few comparisons.
+_TORCH = {}
 
 
-def _torch_fns():
-    """NumPy dtypes of torch float dtypes, and the torch allocators, looked up once."""
-    if not _NP_OF_TORCH:
+def _torch_objs():
+    if not _TORCH:
         torch = _torch()
-        _NP_OF_TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
-                             "from_numpy": torch.from_numpy, "empty": torch.empty, "empty_like": torch.empty_like,
-                             "Tensor": torch.Tensor, "contiguous_format": torch.contiguous_format})
-    return _NP_OF_TORCH
+        _TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
+                       "floats": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
+                       "from_numpy": torch.from_numpy, "empty": torch.empty, "empty_like": torch.empty_like,
+                       "Tensor": torch.Tensor, "contiguous_format": torch.contiguous_format})
+    return _TORCH
 
 
 def _empty(fw, like, shape, dtype=None):
@@ -98,7 +92,7 @@ def _empty(fw, like, shape, dtype=None):
     if fw == "numpy":
         return np.empty(shape, dtype=like.dtype if dtype is None else dtype)
     dt = like.dtype if dtype is None else dtype
-    fns = _NP_OF_TORCH or _torch_fns()
+    fns = _TORCH or _torch_objs()
     npdt = fns.get(dt)
     if npdt is not None and math.prod(shape) <= 4096:
         # A small output through NumPy: cheaper than torch.empty(...) at the size of a decode step,
@@ -147,7 +141,7 @@ def _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_
     B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
     out = None
     if fw == "torch" and Dv == q.shape[3]:
-        fns = _NP_OF_TORCH or _torch_fns()
+        fns = _TORCH or _torch_objs()
         if type(q) is fns["Tensor"]:
             # q's shape and dtype (a plain tensor on the CPU): the cheapest allocation of the output
             try:
@@ -209,7 +203,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         fw = "numpy"
         if q.dtype not in _NUMPY_DTYPES:
             _check_float("q", q, fw)
-    elif _TORCH_CPU_FLOAT and type(q) is _TORCH_CPU_FLOAT[0] and q.dtype in _TORCH_CPU_FLOAT[1] and q.is_cpu:
+    elif _TORCH and type(q) is _TORCH["Tensor"] and q.dtype in _TORCH["floats"] and q.is_cpu:
         fw = "torch"
     else:
         fw = _framework("q", q)
