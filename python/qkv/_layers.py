@@ -51,6 +51,7 @@ class KVCache:
         bshd = _ops._layout(layout)
         _ops._check_rank4("q", q, "[B,S,H,D]" if bshd else "[B,H,S,D]")
         wl, wr = _ops._window(window)
+        scale, softcap, causal = _ops._scalars(scale, softcap, causal)
         B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
         Dv = self._c.head_dim_v
         out = _ops._empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
@@ -89,7 +90,16 @@ class MultiHeadAttention:
 
     @classmethod
     def from_torch(cls, module):
-        """A layer with the weights of a torch.nn.MultiheadAttention (batch_first or not)."""
+        """A layer with the weights of a torch.nn.MultiheadAttention (batch_first or not).
+
+        Raises NotImplementedError for a module built with add_bias_kv=True or add_zero_attn=True
+        (an extra key/value row that this layer does not append), ValueError as load_state_dict.
+        """
+        if getattr(module, "bias_k", None) is not None:
+            raise NotImplementedError("module: add_bias_kv=True (bias_k, bias_v) is not implemented by "
+                                      "qkv.MultiHeadAttention")
+        if getattr(module, "add_zero_attn", False):
+            raise NotImplementedError("module: add_zero_attn=True is not implemented by qkv.MultiHeadAttention")
         layer = cls(module.embed_dim, module.num_heads, bias=module.in_proj_bias is not None)
         layer.load_state_dict(module.state_dict())
         return layer
@@ -99,7 +109,15 @@ class MultiHeadAttention:
         return self._m.config()
 
     def load_state_dict(self, state_dict, prefix=""):
-        """Copies the weights (any float dtype, converted to float32) from named arrays/tensors."""
+        """Copies the weights (any float dtype, converted to float32) from named arrays/tensors.
+
+        Raises NotImplementedError for bias_k / bias_v (nn.MultiheadAttention's add_bias_kv),
+        ValueError for missing or mis-shaped weights.
+        """
+        for name in ("bias_k", "bias_v"):
+            if state_dict.get(prefix + name) is not None:
+                raise NotImplementedError(f"{prefix + name}: nn.MultiheadAttention's add_bias_kv is not implemented "
+                                          "by qkv.MultiHeadAttention")
         arrays = {name: _as_f32_numpy(name, x) for name, x in state_dict.items() if x is not None}
         self._m.load_weights(arrays, prefix)
 
@@ -123,6 +141,7 @@ class MultiHeadAttention:
             x = _ops._detach(x)
             x_kv = None if x_kv is None else _ops._detach(x_kv)
         wl, wr = _ops._window(window)
+        scale, softcap, causal = _ops._scalars(scale, softcap, causal)
         threads = 0 if num_threads is None else int(num_threads)
         if cache is not None:
             if mask is not None or x_kv is not None:

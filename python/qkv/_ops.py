@@ -7,6 +7,8 @@ message, never copied behind the caller's back. Outputs are allocated here, in t
 dtype of q, and the C++ call runs with the GIL released.
 """
 import math
+import numbers
+import operator
 import sys
 
 import numpy as np
@@ -67,6 +69,10 @@ def _aux(name, x, fw):
     if xfw != fw:
         raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
     if fw == "torch" and x.requires_grad:
+        if _torch().is_grad_enabled():
+            # a mask that requires grad would silently get none: say so instead
+            raise NotImplementedError(f"{name}: qkv computes no gradient for the {name}, and this one requires "
+                                      f"grad; pass {name}.detach() (or call under torch.no_grad())")
         x = x.detach()
     return x
 
@@ -118,9 +124,28 @@ def _layout(layout):
 def _window(window):
     try:
         left, right = window
-        return int(left), int(right)
+        return operator.index(left), operator.index(right)  # 1.7 is refused, not truncated
     except (TypeError, ValueError):
-        raise ValueError(f"window: expected a pair (left, right), got {window!r}") from None
+        raise ValueError(f"window: expected a pair of integers (left, right), got {window!r}") from None
+
+
+def _real(name, x):
+    """A float option (scale, softcap) as a Python float; TypeError naming it otherwise."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
+    return float(x)
+
+
+def _scalars(scale, softcap, causal):
+    """(scale, softcap, causal) checked by type: scale None or a real, softcap a real, causal a bool."""
+    return None if scale is None else _real("scale", scale), _real("softcap", softcap), _flag("causal", causal)
+
+
+def _flag(name, x):
+    """A bool option (causal); TypeError naming it for anything but a bool (NumPy's too)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
+    return bool(x)
 
 
 def _dims(q, k, v, bshd):
@@ -212,8 +237,17 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         _same("k", k, fw, q)
     if type(v) is not type(q) or v.dtype != q.dtype:
         _same("v", v, fw, q)
+    if fw == "torch" and not (k.is_cpu and v.is_cpu):
+        _same("k", k, fw, q)  # raises ValueError naming the one not on the CPU
+        _same("v", v, fw, q)
     bshd = False if layout == "bhsd" else _layout(layout)
     wl, wr = (-1, -1) if window == (-1, -1) else _window(window)
+    if scale is not None and type(scale) is not float:
+        scale = _real("scale", scale)
+    if type(softcap) is not float:
+        softcap = _real("softcap", softcap)
+    if type(causal) is not bool:
+        causal = _flag("causal", causal)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         for name, x in (("q", q), ("k", k), ("v", v)):
             _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
@@ -278,6 +312,7 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *, scale=None, causa
     _same("v", v, fw, q)
     bshd = _layout(layout)
     wl, wr = _window(window)
+    scale, softcap, causal = _scalars(scale, softcap, causal)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
     for name, x in (("out", out), ("softmax_lse", softmax_lse), ("grad_out", grad_out)):
@@ -302,6 +337,7 @@ def explain_dispatch(q, k, v, *, scale=None, causal=False, align="bottom-right",
     _same("v", v, fw, q)
     bshd = _layout(layout)
     wl, wr = _window(window)
+    scale, softcap, causal = _scalars(scale, softcap, causal)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
     B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)

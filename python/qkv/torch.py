@@ -118,15 +118,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (BHSD; a 3-D [N, L, E] call is one head), is_causal is top-left aligned (query i sees keys
     0..i), attn_mask is bool (True = attend) or float (added to the scores), broadcastable to
     [B, Hq, L, S]; Hq != Hkv requires enable_gqa=True; scale defaults to 1/sqrt(E). A query row
-    with no admissible key gives zeros (PyTorch's math path gives NaN there).
+    with no admissible key gives zeros (as PyTorch 2.13). A float attn_mask in bfloat16 or
+    float16 (as PyTorch allows for those queries) is converted to float32, exactly: a copy of the
+    mask's size, never of q, k or v.
 
-    Raises: NotImplementedError for dropout_p > 0; ValueError for is_causal with attn_mask (as
-    PyTorch), Hq != Hkv without enable_gqa, and everything qkv.attention refuses.
+    Raises: NotImplementedError for dropout_p > 0 and for an attn_mask that requires grad (qkv
+    computes no mask gradient); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
+    without enable_gqa, and everything qkv.attention refuses.
     """
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout_p: qkv does not implement attention dropout, got dropout_p = {dropout_p}")
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: expected None with is_causal=True (as PyTorch), got a mask")
+    if attn_mask is not None and isinstance(attn_mask, Tensor):
+        if attn_mask.requires_grad and torch.is_grad_enabled():
+            raise NotImplementedError("attn_mask: qkv computes no gradient for the mask, and this one requires "
+                                      "grad; pass attn_mask.detach()")
+        if attn_mask.dtype in (torch.bfloat16, torch.float16):
+            attn_mask = attn_mask.float()
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -151,7 +160,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Returns out [B, Sq, Hq, Dv]; with return_attn_probs=True the tuple (out, softmax_lse,
     S_dmask), where softmax_lse [B, Hq, Sq] float32 is the natural log of each row's sum of
     exp(score), and S_dmask is None: FlashAttention returns the dropout mask pattern there only
-    for dropout_p > 0, which qkv does not implement.
+    for dropout_p > 0, which qkv does not implement. A query row with no admissible key (a
+    window or Sk = 0) has output 0 and softmax_lse -inf, the log of its empty sum (FlashAttention
+    2's CUDA kernel writes +inf there).
 
     Raises: NotImplementedError for dropout_p > 0 or alibi_slopes given (naming the argument);
     ValueError/TypeError as qkv.attention.

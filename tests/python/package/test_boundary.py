@@ -75,51 +75,43 @@ def test_outputs_in_callers_framework_and_dtype(dtype):
     assert isinstance(qkv.attention(n, n, n), np.ndarray) and qkv.attention(n, n, n).dtype == np.float64
 
 
-def test_gil_released_two_threads_overlap():
-    """Two Python threads each run a long single-threaded call; the calls overlap in time, which
-    only happens when each releases the GIL (a call holding it would run strictly after the other).
-    Judged from intervals, not speed, so a busy machine cannot make it fail."""
-    q = np.random.rand(1, 4, 1024, 64).astype(np.float32)
-    qkv.attention(q, q, q, num_threads=1)  # warm up
-    spans = [None, None]
-    barrier = threading.Barrier(2)
-
-    def worker(i):
-        barrier.wait()
-        t0 = time.perf_counter()
-        for _ in range(3):
-            qkv.attention(q, q, q, num_threads=1)
-        spans[i] = (t0, time.perf_counter())
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    (a0, a1), (b0, b1) = spans
-    overlap = min(a1, b1) - max(a0, b0)
-    shortest = min(a1 - a0, b1 - b0)
-    assert overlap > 0.5 * shortest, f"calls did not overlap: spans {spans}"
-
-
-def test_gil_released_main_thread_runs_during_a_call():
-    q = np.random.rand(1, 4, 1024, 64).astype(np.float32)
+def _largest_gap_during_a_call(step):
+    """One long single-threaded qkv call runs in a worker thread while this thread repeats
+    step(); returns the largest gap between this thread's steps within the call's span, as a
+    fraction of the span. A call that released the GIL leaves gaps of a scheduler slice at most;
+    one holding it stops this thread for the whole call (a gap of nearly 1, whichever thread
+    took the GIL first). Judged from intervals, not speed, so a busy machine cannot make it fail."""
+    q = np.random.rand(1, 8, 4096, 64).astype(np.float32)
     span = []
 
     def worker():
         t0 = time.perf_counter()
-        for _ in range(3):
-            qkv.attention(q, q, q, num_threads=1)
+        qkv.attention(q, q, q, num_threads=1)
         span.extend([t0, time.perf_counter()])
 
     t = threading.Thread(target=worker)
     stamps = []
     t.start()
     while t.is_alive():
+        step()
         stamps.append(time.perf_counter())
     t.join()
-    inside = sum(span[0] < s < span[1] for s in stamps)
-    assert inside > 1000, f"the main thread ran only {inside} times during the calls"
+    a, b = span
+    points = [a] + [x for x in stamps if a < x < b] + [b]
+    return max(y - x for x, y in zip(points, points[1:])) / (b - a)
+
+
+def test_gil_released_two_threads_overlap():
+    """Two Python threads calling qkv run at once: this one completes many small qkv calls while
+    the other is inside one long call."""
+    small = np.random.rand(1, 1, 16, 32).astype(np.float32)
+    gap = _largest_gap_during_a_call(lambda: qkv.attention(small, small, small, num_threads=1))
+    assert gap < 0.5, f"this thread stopped for {gap:.0%} of the other thread's call"
+
+
+def test_gil_released_main_thread_runs_during_a_call():
+    gap = _largest_gap_during_a_call(lambda: None)
+    assert gap < 0.5, f"the main thread stopped for {gap:.0%} of the call"
 
 
 def bad(exc, match, *args, **kw):
@@ -129,7 +121,22 @@ def bad(exc, match, *args, **kw):
 
 def test_bad_inputs():
     q = torch.randn(1, 2, 4, 8)
-    bad(ValueError, "CPU", torch.randn(1, 2, 4, 8, device="meta"), q, q)
+    meta = torch.randn(1, 2, 4, 8, device="meta")
+    bad(ValueError, "q: expected a tensor in CPU memory", meta, q, q)
+    bad(ValueError, "k: expected a tensor in CPU memory", q, meta, q)
+    bad(ValueError, "v: expected a tensor in CPU memory", q, q, meta)
+    # on the differentiable path too (the operator would otherwise dispatch to its fake kernel)
+    bad(ValueError, "k: expected a tensor in CPU memory", q.clone().requires_grad_(), meta, q)
+    bad(ValueError, "v: expected a tensor in CPU memory", q.clone().requires_grad_(), q, meta)
+    bad(ValueError, "window: expected a pair of integers", q, q, q, window=(1.7, 0))
+    bad(TypeError, "scale: expected a real number", q, q, q, scale="x")
+    bad(TypeError, "softcap: expected a real number", q, q, q, softcap=None)
+    bad(TypeError, "causal: expected a bool", q, q, q, causal="no")
+    # a mask that requires grad would get no gradient: refused, not silently detached
+    mg = torch.randn(1, 2, 4, 4, requires_grad=True)
+    bad(NotImplementedError, "mask: qkv computes no gradient", q, q, q, mask=mg)
+    with torch.no_grad():
+        assert qkv.attention(q, q, q, mask=mg).shape == q.shape
     bad(ValueError, "rank 4", torch.randn(2, 4, 8), q, q)
     bad(TypeError, "dtype", q, q.double(), q)
     bad(TypeError, "dtype", q.int(), q, q)

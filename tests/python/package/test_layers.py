@@ -28,6 +28,18 @@ def test_mha_matches_torch_multihead_attention(bias):
     assert (layer(x.float(), kv.float()).double() - y_x).abs().max() < 1e-5
 
 
+def test_mha_from_torch_refuses_what_it_does_not_compute():
+    # extra key/value rows (bias_k, bias_v; a zero row) that the layer does not append: refused,
+    # never loaded into a layer that silently computes something else
+    for kw, name in (({"add_bias_kv": True}, "add_bias_kv"), ({"add_zero_attn": True}, "add_zero_attn")):
+        ref = torch.nn.MultiheadAttention(16, 4, batch_first=True, **kw)
+        with pytest.raises(NotImplementedError, match=name):
+            qkv.MultiHeadAttention.from_torch(ref)
+    ref = torch.nn.MultiheadAttention(16, 4, batch_first=True, add_bias_kv=True)
+    with pytest.raises(NotImplementedError, match="bias_k"):
+        qkv.MultiHeadAttention(16, 4).load_state_dict(ref.state_dict())
+
+
 def test_kv_cache_decoding_equals_full_causal_attention():
     torch.manual_seed(1)
     layer = qkv.MultiHeadAttention(32, 4, num_kv_heads=2, rope="half")

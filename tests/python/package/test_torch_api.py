@@ -46,6 +46,24 @@ def test_sdpa_3d_and_errors():
         qt.scaled_dot_product_attention(torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8))
 
 
+def test_sdpa_masks_of_the_query_dtype_and_masks_that_require_grad():
+    # a float mask in bf16 / fp16 (PyTorch accepts one of the query's dtype) is taken exactly
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.randn(1, 2, 5, 8).to(dtype)
+        m = torch.randn(5, 5).to(dtype)
+        ours = qt.scaled_dot_product_attention(q, q, q, attn_mask=m)
+        assert ours.dtype == dtype
+        assert torch.equal(ours, qt.scaled_dot_product_attention(q, q, q, attn_mask=m.float()))
+    # a mask that requires grad would get none: refused by name
+    q = torch.randn(1, 2, 5, 8, requires_grad=True)
+    mb = torch.randn(1, 2, 5, 5, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attn_mask: qkv computes no gradient"):
+        qt.scaled_dot_product_attention(q, q, q, attn_mask=mb)
+    out = qt.scaled_dot_product_attention(q, q, q, attn_mask=mb.detach())
+    out.sum().backward()
+    assert q.grad is not None
+
+
 def test_flash_attn_func_semantics():
     B, Sq, Sk, Hq, Hkv, D = 2, 7, 19, 4, 2, 16
     q, k, v = torch.randn(B, Sq, Hq, D), torch.randn(B, Sk, Hkv, D), torch.randn(B, Sk, Hkv, D)
