@@ -28,6 +28,7 @@ def explain(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(
     _ops._same("v", v, fw, q)
     bshd = _ops._layout(layout)
     wl, wr = _ops._window(window)
+    scale, softcap, causal = _ops._scalars(scale, softcap, causal)
     if fw == "torch":
         q, k, v = _ops._detach(q), _ops._detach(k), _ops._detach(v)
     return _qkv._trace(q, k, v, bshd, scale, float(softcap), bool(causal), align, wl, wr, _ops._aux("mask", mask, fw),

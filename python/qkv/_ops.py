@@ -61,15 +61,16 @@ def _same(name, x, fw, q):
         raise TypeError(f"{name}: expected dtype {q.dtype} (q's dtype), got {x.dtype}")
 
 
-def _aux(name, x, fw):
-    """A mask or key-length array: same framework as q, any dtype the C++ API accepts."""
+def _aux(name, x, fw, refuse_grad=False):
+    """A mask or key-length array: same framework as q, any dtype the C++ API accepts. Where the
+    call is differentiable (refuse_grad), one that requires grad is refused: it would get none."""
     if x is None:
         return None
     xfw = _framework(name, x)
     if xfw != fw:
         raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
     if fw == "torch" and x.requires_grad:
-        if _torch().is_grad_enabled():
+        if refuse_grad and _torch().is_grad_enabled():
             # a mask that requires grad would silently get none: say so instead
             raise NotImplementedError(f"{name}: qkv computes no gradient for the {name}, and this one requires "
                                       f"grad; pass {name}.detach() (or call under torch.no_grad())")
@@ -121,19 +122,30 @@ def _layout(layout):
     return layout == "bshd"
 
 
-def _window(window):
+def _window(window, name="window"):
+    """(left, right) as ints; ValueError naming the argument for anything but a pair of integers
+    (1.7 is refused, not truncated; NumPy and PyTorch integers are integers)."""
     try:
         left, right = window
-        return operator.index(left), operator.index(right)  # 1.7 is refused, not truncated
+        if isinstance(left, bool) or isinstance(right, bool):
+            raise TypeError
+        return operator.index(left), operator.index(right)
     except (TypeError, ValueError):
-        raise ValueError(f"window: expected a pair of integers (left, right), got {window!r}") from None
+        raise ValueError(f"{name}: expected a pair of integers (left, right), got {window!r}") from None
 
 
 def _real(name, x):
-    """A float option (scale, softcap) as a Python float; TypeError naming it otherwise."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
-    return float(x)
+    """A float option (scale, softcap) as a Python float: a real number, or a 0-d NumPy array or
+    PyTorch tensor of a real dtype; TypeError naming it otherwise (a string is not taken)."""
+    if type(x) in (float, int):
+        return float(x)
+    if isinstance(x, numbers.Real) and not isinstance(x, bool):
+        return float(x)
+    if getattr(x, "ndim", None) == 0 and not isinstance(x, (str, bytes)):
+        dt = str(getattr(x, "dtype", ""))
+        if any(t in dt for t in ("float", "int")) and "bool" not in dt:
+            return float(x)
+    raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
 
 
 def _scalars(scale, softcap, causal):
@@ -142,10 +154,11 @@ def _scalars(scale, softcap, causal):
 
 
 def _flag(name, x):
-    """A bool option (causal); TypeError naming it for anything but a bool (NumPy's too)."""
-    if not isinstance(x, (bool, np.bool_)):
-        raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
-    return bool(x)
+    """A bool option (causal): a bool (NumPy's too) or the integers 0 and 1; TypeError naming it
+    otherwise (a string such as "no" would otherwise read as True)."""
+    if isinstance(x, (bool, np.bool_)) or (type(x) is int and x in (0, 1)):
+        return bool(x)
+    raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
 
 
 def _dims(q, k, v, bshd):
@@ -217,10 +230,13 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
 
     Raises:
       TypeError: an argument that is not a NumPy array or PyTorch tensor, arrays of different
-        frameworks or dtypes, an unsupported dtype.
+        frameworks or dtypes, an unsupported dtype; scale or softcap not a real number, causal
+        not a bool.
       ValueError: with the C++ message (argument, expected, actual): a tensor not on the CPU, a
         rank other than 4, a non-contiguous last dimension, mismatched shapes, a bad mask or
-        kv_lens shape, a bad option value.
+        kv_lens shape, a window that is not a pair of integers, a bad option value.
+      NotImplementedError: a mask that requires grad, with grad enabled (qkv computes no mask
+        gradient).
     """
     # The common case is checked with a few comparisons (a call costs microseconds); the helpers
     # run, and raise with the full message, only when something differs.
@@ -241,7 +257,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         _same("k", k, fw, q)  # raises ValueError naming the one not on the CPU
         _same("v", v, fw, q)
     bshd = False if layout == "bhsd" else _layout(layout)
-    wl, wr = (-1, -1) if window == (-1, -1) else _window(window)
+    wl, wr = (-1, -1) if type(window) is tuple and window == (-1, -1) else _window(window)
     if scale is not None and type(scale) is not float:
         scale = _real("scale", scale)
     if type(softcap) is not float:
@@ -252,7 +268,7 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
         for name, x in (("q", q), ("k", k), ("v", v)):
             _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
     if mask is not None:
-        mask = _aux("mask", mask, fw)
+        mask = _aux("mask", mask, fw, refuse_grad=True)
     if kv_lens is not None:
         kv_lens = _aux("kv_lens", kv_lens, fw)
     threads = 0 if num_threads is None else int(num_threads)

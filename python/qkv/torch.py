@@ -95,19 +95,21 @@ _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _attention(q, k, v, *, mask=None, kv_lens=None, scale=None, causal=False, top_left=False, window=(-1, -1),
-               softcap=0.0, bshd=False, kernel="auto", num_threads=0):
-    """Differentiable attention through the custom operator; returns (out, softmax_lse)."""
+               softcap=0.0, bshd=False, kernel="auto", num_threads=0, names=("scale", "causal", "window", "mask")):
+    """Differentiable attention through the custom operator; returns (out, softmax_lse). names:
+    the caller's names of scale, causal, window and mask, for the error messages."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         _ops._framework(name, x)
         _ops._check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
     _ops._check_float("q", q, "torch")
     _ops._same("k", k, "torch", q)
     _ops._same("v", v, "torch", q)
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    return _attention_op(q, k, v, _ops._aux("mask", mask, "torch"), _ops._aux("kv_lens", kv_lens, "torch"),
-                         float(scale), bool(causal), bool(top_left), int(window[0]), int(window[1]),
-                         float(softcap), bool(bshd), kernel, int(num_threads))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _ops._real(names[0], scale)
+    causal = _ops._flag(names[1], causal)
+    wl, wr = _ops._window(window, names[2])
+    return _attention_op(q, k, v, _ops._aux(names[3], mask, "torch", refuse_grad=True),
+                         _ops._aux("kv_lens", kv_lens, "torch"), scale, causal, bool(top_left), wl, wr,
+                         _ops._real("softcap", softcap), bool(bshd), kernel, int(num_threads))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -118,9 +120,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (BHSD; a 3-D [N, L, E] call is one head), is_causal is top-left aligned (query i sees keys
     0..i), attn_mask is bool (True = attend) or float (added to the scores), broadcastable to
     [B, Hq, L, S]; Hq != Hkv requires enable_gqa=True; scale defaults to 1/sqrt(E). A query row
-    with no admissible key gives zeros (as PyTorch 2.13). A float attn_mask in bfloat16 or
-    float16 (as PyTorch allows for those queries) is converted to float32, exactly: a copy of the
-    mask's size, never of q, k or v.
+    with no admissible key gives zeros (as PyTorch 2.13). A float attn_mask of the query's
+    dtype, bfloat16 or float16 (as PyTorch allows), is converted to float32, exactly: a copy of
+    the mask's size, never of q, k or v.
 
     Raises: NotImplementedError for dropout_p > 0 and for an attn_mask that requires grad (qkv
     computes no mask gradient); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
@@ -130,12 +132,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise NotImplementedError(f"dropout_p: qkv does not implement attention dropout, got dropout_p = {dropout_p}")
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: expected None with is_causal=True (as PyTorch), got a mask")
-    if attn_mask is not None and isinstance(attn_mask, Tensor):
-        if attn_mask.requires_grad and torch.is_grad_enabled():
-            raise NotImplementedError("attn_mask: qkv computes no gradient for the mask, and this one requires "
-                                      "grad; pass attn_mask.detach()")
-        if attn_mask.dtype in (torch.bfloat16, torch.float16):
-            attn_mask = attn_mask.float()
+    if isinstance(attn_mask, Tensor) and attn_mask.dtype in (torch.bfloat16, torch.float16) and \
+            attn_mask.dtype == getattr(query, "dtype", None):
+        attn_mask = attn_mask.float() if not attn_mask.requires_grad else attn_mask  # refused below by name
     squeeze = query.dim() == 3
     if squeeze:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -144,7 +143,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"key: expected num_kv_heads == num_heads ({query.shape[1]}) without enable_gqa=True, "
                          f"got {key.shape[1]}")
-    out, _ = _attention(query, key, value, mask=attn_mask, scale=scale, causal=is_causal, top_left=True)
+    out, _ = _attention(query, key, value, mask=attn_mask, scale=scale, causal=is_causal, top_left=True,
+                        names=("scale", "is_causal", "window", "attn_mask"))
     return out.squeeze(1) if squeeze else out
 
 
@@ -172,7 +172,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: qkv does not implement ALiBi biases (pass an additive mask to "
                                   "qkv.attention instead)")
-    out, lse = _attention(q, k, v, scale=softmax_scale, causal=causal, window=window_size, softcap=softcap, bshd=True)
+    out, lse = _attention(q, k, v, scale=softmax_scale, causal=causal, window=window_size, softcap=softcap, bshd=True,
+                          names=("softmax_scale", "causal", "window_size", "mask"))
     if return_attn_probs:
         return out, lse, None
     return out

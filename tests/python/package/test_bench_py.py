@@ -18,6 +18,7 @@ def test_python_bench_quick_rows(tmp_path):
     # --quick: S = 1024, D in {64, 128}, causal and not; fp32 and bf16 forward; fp32 forward +
     # backward at both D and bf16 at D = 128; decode at Hkv 8 and 2 in both dtypes; two overheads
     assert len(kinds["forward"]) == 8 and len(kinds["forward+backward"]) == 6
-    assert len(kinds["decode"]) == 4 and {s.split(" ")[1] for s in kinds["decode"]} == {"Hq=8"}
+    assert {(s.split()[0], s.split()[2]) for s in kinds["decode"]} == {(d, h) for d in ("fp32", "bf16")
+                                                                      for h in ("Hkv=8", "Hkv=2")}
     assert sorted(kinds["call overhead"]) == ["numpy B=H=S=1 D=8", "torch.Tensor B=H=S=1 D=8"]
     assert "| forward | fp32 D=128 S=1024 |" in r.stdout

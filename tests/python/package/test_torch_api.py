@@ -2,6 +2,8 @@
 torch.compile(fullgraph=True), and a small model trained the same way compiled and eager."""
 import math
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -53,7 +55,14 @@ def test_sdpa_masks_of_the_query_dtype_and_masks_that_require_grad():
         m = torch.randn(5, 5).to(dtype)
         ours = qt.scaled_dot_product_attention(q, q, q, attn_mask=m)
         assert ours.dtype == dtype
-        assert torch.equal(ours, qt.scaled_dot_product_attention(q, q, q, attn_mask=m.float()))
+        ref = sdpa64(q, q, q, attn_mask=m.double())
+        # within twice PyTorch's own error in this dtype, plus a floor of the dtype's rounding
+        err = (F.scaled_dot_product_attention(q, q, q, attn_mask=m).double() - ref).abs().max()
+        assert (ours.double() - ref).abs().max() <= 2 * err + 1e-2
+    # as PyTorch, only a mask of the query's dtype is taken (a bf16 mask on float32 queries is not)
+    with pytest.raises(ValueError, match="mask"):
+        qt.scaled_dot_product_attention(torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                                        attn_mask=torch.randn(5, 5).bfloat16())
     # a mask that requires grad would get none: refused by name
     q = torch.randn(1, 2, 5, 8, requires_grad=True)
     mb = torch.randn(1, 2, 5, 5, requires_grad=True)
@@ -62,6 +71,46 @@ def test_sdpa_masks_of_the_query_dtype_and_masks_that_require_grad():
     out = qt.scaled_dot_product_attention(q, q, q, attn_mask=mb.detach())
     out.sum().backward()
     assert q.grad is not None
+
+
+def test_option_types_at_every_entry_point():
+    b = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="window_size: expected a pair of integers"):
+        qkv.flash_attn_func(b, b, b, window_size=(1.7, 0))
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        qkv.flash_attn_func(b, b, b, causal="no")
+    with pytest.raises(TypeError, match="softmax_scale: expected a real number"):
+        qkv.flash_attn_func(b, b, b, softmax_scale="0.5")
+    with pytest.raises(TypeError, match="is_causal: expected a bool"):
+        qt.scaled_dot_product_attention(b, b, b, is_causal="yes")
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        qkv.explain(q, q, q, causal="no")
+    with pytest.raises(TypeError, match="scale: expected a real number"):
+        qkv.explain(q, q, q, scale="x")
+    out, lse = qkv.attention(q, q, q, return_lse=True)
+    with pytest.raises(TypeError, match="softcap: expected a real number"):
+        qkv.attention_backward(q, q, q, out, lse, torch.ones_like(out), softcap="1")
+    with pytest.raises(TypeError, match="causal: expected a bool"):
+        qkv.explain_dispatch(q, q, q, causal=2)
+    layer = qkv.MultiHeadAttention(16, 4)
+    with pytest.raises(TypeError, match="scale: expected a real number"):
+        layer(torch.randn(1, 3, 16), scale="x")
+    cache = qkv.KVCache(1, 2, 8, 8)
+    with pytest.raises(ValueError, match="window: expected a pair of integers"):
+        cache.attend(q, window=(0.5, 0))
+    # what is taken: NumPy and 0-d scalars, integers, NumPy bools, 0/1, integer windows of any kind
+    base = qkv.attention(q, q, q, scale=0.5, causal=True, window=(2, 0), softcap=0.0)
+    for kw in ({"scale": np.float32(0.5)}, {"scale": torch.tensor(0.5)}, {"scale": np.array(0.5)},
+               {"causal": np.bool_(True)}, {"causal": 1}, {"window": [2, 0]}, {"window": np.array([2, 0])},
+               {"window": (torch.tensor(2), np.int64(0))}, {"softcap": 0}):
+        args = {"scale": 0.5, "causal": True, "window": (2, 0), "softcap": 0.0, **kw}
+        assert torch.equal(qkv.attention(q, q, q, **args), base), kw
+    # a mask that requires grad is refused only where gradients flow: the others detach it
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    assert qkv.explain(q, q, q, mask=p)["output"].shape == (1, 2, 4, 8)
+    qkv.attention_backward(q, q, q, out, lse, torch.ones_like(out), mask=p)
+    layer(torch.randn(1, 3, 16), mask=torch.nn.Parameter(torch.zeros(3, 3)))
 
 
 def test_flash_attn_func_semantics():
