@@ -56,6 +56,21 @@ std::uint16_t bf16_oracle(double x) {
   return sign | ((lo & 1) ? static_cast<std::uint16_t>(lo + 1) : lo);
 }
 
+TEST(Tensor, LargeTensorsOnWholeHugePages) {
+  // 64-byte alignment always; from 4 MiB up, 2 MiB alignment (whole huge pages); zeros either way
+  const Tensor small(DType::f32, {1000});
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small.data()) % 64, 0u);
+  for (const std::int64_t n : {std::int64_t{1} << 20, (std::int64_t{3} << 20) + 5}) {  // 4 MiB, 12 MiB + 20 B
+    Tensor t(DType::f32, {n});
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(t.data()) % (std::uintptr_t{2} << 20), 0u) << n;
+    const float* f = t.data_as<float>();
+    EXPECT_EQ(f[0], 0.0f);
+    EXPECT_EQ(f[n - 1], 0.0f);
+    t.data_as<float>()[n - 1] = 1.0f;  // the whole size is owned
+    EXPECT_EQ(t.numel(), n);
+  }
+}
+
 TEST(Tensor, HalfRoundTripsEveryValue) {
   for (std::uint32_t h = 0; h < 0x10000; ++h) {
     const float f = half_to_float(static_cast<std::uint16_t>(h));
