@@ -147,8 +147,9 @@ Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape
   if (bytes == 0) bytes = 64;
   // Large tensors (KV caches and pools, weights) on whole 2 MiB pages, with the advice that Linux
   // back them by transparent huge pages: a paged KV pool is read block by block in random order,
-  // and on 4 KiB pages each 16-key block cost a TLB miss and a page-table walk (paged decode of
-  // the serving benchmark 1.3-1.6x the packed time on a Zen 5, 1.0-1.2x with huge pages).
+  // and on 4 KiB pages each 16-key block cost a TLB miss and a page-table walk (paged / packed
+  // decode time on a Zen 5, the two calls timed alone: 1.3-1.6 before, 1.0-1.2 with huge pages;
+  // docs/performance.md).
   const bool huge = bytes >= kHugeTensorBytes;
   if (huge) bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   void* p = std::aligned_alloc(huge ? kHugePage : 64, bytes);
