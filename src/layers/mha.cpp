@@ -1,10 +1,9 @@
 // Multi-head attention layer (Vaswani et al. 2017, sec. 3.2.2) with GQA, RoPE and a KV cache.
-// Projections are cblas_sgemm calls on [B*S, features] row blocks; the heads are strided views
+// Projections are detail::sgemm calls (layers/gemm.hpp) on [B*S, features] row blocks; the heads are strided views
 // of the projection buffers (BSHD storage seen as BHSD), so nothing is transposed or copied
 // between the GEMMs and the attention call.
 #include "qkv/mha.hpp"
 
-#include <cblas.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/gemm.hpp"
 #include "layers/mha_common.hpp"
 #include "qkv/error.hpp"
 #include "tensor/convert.hpp"
@@ -50,7 +50,7 @@ void linear(const TensorView& x, const float* w, std::int64_t ldw, std::int64_t 
       else
         std::fill(cb + r * ldcb, cb + r * ldcb + N, 0.0f);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N),
+    qkv::detail::sgemm(CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N),
                 static_cast<int>(K), 1.0f, a, static_cast<int>(lda), w, static_cast<int>(ldw), 1.0f, cb,
                 static_cast<int>(ldcb));
   };

@@ -1,8 +1,7 @@
 // Backward of the multi-head attention layer: the derivative of each step of the forward, last
 // to first (mha.hpp). The forward's q, k, v (projection + RoPE), O and softmax_lse are recomputed
 // with the same code (mha_common.hpp) and options; the attention's dQ, dK, dV come from
-// qkv::attention_backward; every other step is a cblas_sgemm on [B*S, features] row blocks.
-#include <cblas.h>
+// qkv::attention_backward; every other step is a detail::sgemm (layers/gemm.hpp) on [B*S, features] row blocks.
 
 #include <algorithm>
 #include <cstring>
@@ -13,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "layers/gemm.hpp"
 #include "layers/mha_common.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
@@ -49,7 +49,7 @@ int bi(std::int64_t v) { return static_cast<int>(v); }  // sizes were checked ag
 void add_at_b(const Rows& a, const Rows& b, float* g) {
   if (a.empty() || b.empty()) return;
   auto gemm = [&](const float* ap, std::int64_t lda, const float* bp, std::int64_t ldb, std::int64_t M) {
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, bi(a.width), bi(b.width), bi(M), 1.0f, ap, bi(lda),
+    qkv::detail::sgemm(CblasTrans, CblasNoTrans, bi(a.width), bi(b.width), bi(M), 1.0f, ap, bi(lda),
                 bp, bi(ldb), 1.0f, g, bi(b.width));
   };
   const std::int64_t pa = a.pitch(), pb = b.pitch();
@@ -81,7 +81,7 @@ void rows_times(const Rows& a, const float* w, std::int64_t ldw, const Rows& c, 
       for (std::int64_t s = 0; s < c.S; ++s) std::fill_n(c.p + b * c.sb + s * c.ss, c.width, 0.0f);
   if (a.width == 0) return;
   auto gemm = [&](const float* ap, std::int64_t lda, float* cp, std::int64_t ldc, std::int64_t M) {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bi(M), bi(c.width), bi(a.width), 1.0f, ap, bi(lda),
+    qkv::detail::sgemm(CblasNoTrans, CblasNoTrans, bi(M), bi(c.width), bi(a.width), 1.0f, ap, bi(lda),
                 w, bi(ldw), 1.0f, cp, bi(ldc));
   };
   const std::int64_t pa = a.pitch(), pc = c.pitch();

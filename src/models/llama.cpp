@@ -1,5 +1,5 @@
 // Llama-2 forward pass (architecture and sources in include/qkv/llama.hpp) on qkv's layers:
-// cblas_sgemm projections over all tokens of a call, apply_rope, KVCache::append/attend.
+// detail::sgemm projections over all tokens of a call, apply_rope, KVCache::append/attend.
 #include "qkv/llama.hpp"
 
 #include "models/llama_common.hpp"

@@ -1,7 +1,6 @@
 #pragma once
 // Pieces of the Llama-2 forward pass shared by Llama (llama.cpp) and LlamaBatch (llama_batch.cpp),
 // so that both compute every row with the same calls.
-#include <cblas.h>
 
 #include <cmath>
 #include <cstring>
@@ -10,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "layers/gemm.hpp"
 #include "qkv/error.hpp"
 #include "qkv/llama.hpp"
 
@@ -18,7 +18,7 @@ namespace qkv::llama_detail {
 // c[M, N] = a[M, K] w[N, K]^T + beta * c (row-major; w is a Linear-layout [out, in] matrix).
 inline void gemm_nt(int M, int N, int K, const float* a, int lda, const float* w, int ldw, float beta, float* c,
              int ldc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, lda, w, ldw, beta, c, ldc);
+  qkv::detail::sgemm(CblasNoTrans, CblasTrans, M, N, K, 1.0f, a, lda, w, ldw, beta, c, ldc);
 }
 
 // out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * gain, per row of `dim` floats; the mean in double.

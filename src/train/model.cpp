@@ -1,8 +1,7 @@
 // The model's forward and backward in float32 (train.hpp gives the math). Activations are
-// [B*T, features] row-major matrices; every matrix product is one cblas_sgemm, the attention
+// [B*T, features] row-major matrices; every matrix product is one detail::sgemm (layers/gemm.hpp), the attention
 // layer is qkv::MultiHeadAttention (its backward recomputes q, k, v itself), and every other step
 // is a plain loop whose reductions run in double, serially, so results never depend on threads.
-#include <cblas.h>
 
 #include <algorithm>
 #include <chrono>
@@ -11,6 +10,7 @@
 #include <limits>
 #include <string>
 
+#include "layers/gemm.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 #include "qkv/train.hpp"
@@ -26,17 +26,17 @@ int bi(std::int64_t v) { return static_cast<int>(v); }
 // C[M,N] = A[M,K] B[N,K]^T (+ C when accumulate): a Linear layer's forward, and dX = dY W.
 void gemm_nt(std::int64_t M, std::int64_t N, std::int64_t K, const float* A, const float* Bm, float* C,
              bool accumulate) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, bi(M), bi(N), bi(K), 1.0f, A, bi(K), Bm, bi(K),
+  qkv::detail::sgemm(CblasNoTrans, CblasTrans, bi(M), bi(N), bi(K), 1.0f, A, bi(K), Bm, bi(K),
               accumulate ? 1.0f : 0.0f, C, bi(N));
 }
 // C[M,N] = A[M,K] B[K,N].
 void gemm_nn(std::int64_t M, std::int64_t N, std::int64_t K, const float* A, const float* Bm, float* C) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, bi(M), bi(N), bi(K), 1.0f, A, bi(K), Bm, bi(N), 0.0f, C,
+  qkv::detail::sgemm(CblasNoTrans, CblasNoTrans, bi(M), bi(N), bi(K), 1.0f, A, bi(K), Bm, bi(N), 0.0f, C,
               bi(N));
 }
 // C[M,N] = A[R,M]^T B[R,N]: a weight's gradient dY^T X.
 void gemm_tn(std::int64_t M, std::int64_t N, std::int64_t R, const float* A, const float* Bm, float* C) {
-  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, bi(M), bi(N), bi(R), 1.0f, A, bi(M), Bm, bi(N), 0.0f, C,
+  qkv::detail::sgemm(CblasTrans, CblasNoTrans, bi(M), bi(N), bi(R), 1.0f, A, bi(M), Bm, bi(N), 0.0f, C,
               bi(N));
 }
 
