@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -57,6 +58,46 @@ TEST(Gemm, BitwiseOnOneAndTwoThreadsAndAccurate) {
         EXPECT_LE(worst, 8 * (K + 2) * 0x1p-24) << M << "x" << N << "x" << K;  // |error| <= (K + 2) u sum |terms|, u = 2^-24, with room
       }
   }
+}
+
+}  // namespace
+
+namespace {
+
+// Strided leading dimensions (the layers pass row pitches wider than the rows), K = 0 (C = beta C),
+// beta = 0 over NaN (C is written, not scaled), a call from inside a caller's OpenMP team, and
+// the OpenMP build of OpenBLAS, whose thread count sgemm sets per block.
+TEST(Gemm, StridesEmptySumsBetaZeroNestedAndTheOpenMPBuild) {
+  EXPECT_EQ(openblas_get_parallel(), 2) << "OpenBLAS is not its OpenMP build: sgemm cannot keep it on one thread";
+  const int M = 150, N = 530, K = 70, lda = K + 5, ldb = N + 3, ldc = N + 7;
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> A(static_cast<std::size_t>(M) * lda), B(static_cast<std::size_t>(K) * ldb);
+  for (float& x : A) x = u(rng);
+  for (float& x : B) x = u(rng);
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  auto run = [&](int k, float beta) {
+    std::vector<float> C(static_cast<std::size_t>(M) * ldc, k == 0 ? 3.0f : nan);
+    qkv::detail::sgemm(CblasNoTrans, CblasNoTrans, M, N, k, 1.0f, A.data(), lda, B.data(), ldb, beta, C.data(), ldc);
+    return C;
+  };
+  const std::vector<float> c = run(K, 0.0f);
+  for (int i = 0; i < M; ++i) {
+    for (int j = 0; j < N; j += 37) {
+      double ref = 0;
+      for (int k = 0; k < K; ++k) ref += static_cast<double>(A[static_cast<std::size_t>(i) * lda + k]) * B[static_cast<std::size_t>(k) * ldb + j];
+      ASSERT_NEAR(c[static_cast<std::size_t>(i) * ldc + j], ref, 1e-4) << i << "," << j;
+    }
+    for (int j = N; j < ldc; ++j) ASSERT_TRUE(std::isnan(c[static_cast<std::size_t>(i) * ldc + j])) << "past N: untouched";
+  }
+  const std::vector<float> c0 = run(0, 0.5f);  // K = 0: C = beta C
+  for (int i = 0; i < M; ++i) ASSERT_EQ(c0[static_cast<std::size_t>(i) * ldc + N - 1], 1.5f);
+  // from inside a team: every thread's product bitwise the one of a plain call
+  std::vector<std::vector<float>> inner(2);
+#pragma omp parallel num_threads(2)
+  inner[static_cast<std::size_t>(omp_get_thread_num())] = run(K, 0.0f);
+  for (const auto& x : inner)
+    if (!x.empty()) EXPECT_EQ(std::memcmp(x.data(), c.data(), c.size() * sizeof(float)), 0);
 }
 
 }  // namespace

@@ -15,7 +15,8 @@
 ///   x += (SiLU(h W1^T) * (h W3^T)) W2^T            (SwiGLU, Shazeer 2020)
 /// then logits = (RMSNorm(x) * rms_final) Wcls^T (Wcls = token_embedding when shared).
 ///
-/// Execution: all projections are cblas_sgemm calls over the rows of every token of the call
+/// Execution: all projections are matrix products (OpenBLAS sgemm in blocks fixed by the shape,
+/// bitwise independent of the thread count: docs/threads.md) over the rows of every token of the call
 /// (a prefill of S tokens is one [S, dim] x [dim, N] GEMM per projection; q, k and v share one
 /// GEMM, as do W1 and W3: the loader packs those weights); attention runs through
 /// KVCache::attend, i.e. qkv::attention() with Sq = S (the fused kernel for a prefill, the decode
@@ -163,7 +164,7 @@ std::vector<int> generate(Llama& model, std::span<const int> prompt, int steps,
 /// where any set of live sequences, each with its own number of new tokens (a whole prompt, or one
 /// decode token), runs in one step(). Per sequence, every computation is the one Llama::forward
 /// does with LlamaOptions::batch_invariant for that sequence alone: the projections are
-/// cblas_sgemm calls over that sequence's rows of the step, and the attention of all sequences is
+/// matrix products over that sequence's rows of the step, and the attention of all sequences is
 /// one attention_paged call per layer (batch invariant, qkv/varlen.hpp), so a sequence's logits
 /// are bitwise those of Llama (batch_invariant) fed the same tokens in the same calls.
 /// Not thread-safe.

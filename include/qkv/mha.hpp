@@ -16,7 +16,8 @@
 ///   W_Q [Hq*D, d_model], W_K [Hkv*D, d_model], W_V [Hkv*Dv, d_model], W_O [d_model, Hq*Dv].
 /// The layer stores W_Q, W_K, W_V packed row-wise in one matrix, as PyTorch's `in_proj_weight`,
 /// so self-attention runs ONE GEMM for q, k and v; the heads are strided views of that GEMM's
-/// output, never copied. Projections run on OpenBLAS (cblas_sgemm); all tensors are float32.
+/// output, never copied. Projections run on OpenBLAS (sgemm in blocks fixed by the shape, so that
+/// their bits do not depend on the thread count: docs/threads.md); all tensors are float32.
 ///
 /// Backward (backward()): the gradients of a loss L with respect to the inputs and every weight,
 /// given dy = dL/dy: the chain rule through each step above, last to first (docs/layers.md,

@@ -73,9 +73,10 @@ private:
 /// @throws qkv::Error if a stride overflows int64.
 Shape contiguous_strides(const Shape& shape);
 
-/// An owning, C-contiguous tensor whose buffer is 64-byte aligned and zero-initialised. From
-/// 4 MiB up (KV caches and pools) the buffer is whole 2 MiB pages, 2 MiB aligned, advised to
-/// Linux as transparent huge pages (fewer TLB misses when a paged KV pool is read at random).
+/// An owning, C-contiguous tensor whose buffer is 64-byte aligned and zero-initialised. On Linux,
+/// from 4 MiB up (KV caches and pools) the buffer is a mapping of its own of whole 2 MiB pages,
+/// 2 MiB aligned, advised as transparent huge pages (fewer TLB misses when a paged KV pool is
+/// read at random).
 class Tensor {
 public:
   Tensor() = default;
@@ -92,7 +93,12 @@ public:
   std::size_t nbytes() const noexcept { return numel_ * dtype_size(dtype_); }
 
 private:
-  struct Free { void operator()(void* p) const noexcept; };
+  struct Free {
+    Free() noexcept : mapped(0) {}
+    explicit Free(std::size_t bytes) noexcept : mapped(bytes) {}
+    std::size_t mapped;  // bytes of a mapping of its own (large tensors), else 0: malloc's
+    void operator()(void* p) const noexcept;
+  };
   std::unique_ptr<void, Free> buf_;
   DType dtype_ = DType::f32;
   Shape shape_;

@@ -22,8 +22,9 @@
 /// matrices only, global gradient-norm clipping (Pascanu et al. 2013), linear warm-up.
 ///
 /// Determinism: the same TrainConfig gives bitwise the same losses and weights for every
-/// TrainConfig::threads (qkv's attention is thread-count independent; BLAS splits only the
-/// output of each product, never its sums; every other reduction here is serial).
+/// TrainConfig::threads (qkv's attention is thread-count independent; every matrix product is
+/// cut into blocks fixed by its shape, each one single-threaded OpenBLAS call, whatever the
+/// thread count: docs/threads.md; every other reduction here is serial).
 /// Threads: TrainConfig::threads goes to each attention call; OpenBLAS (OpenMP build) follows
 /// OpenMP's setting, which the caller sets (omp_set_num_threads, or OMP_NUM_THREADS).
 

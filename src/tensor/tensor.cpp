@@ -134,31 +134,62 @@ TensorView TensorView::permute(std::initializer_list<int> order) const {
 }
 
 namespace {
-// From 4 MiB up, a tensor takes whole 2 MiB pages (the rounding costs under a third of its size).
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+// From 4 MiB up, a tensor is a mapping of its own, of whole 2 MiB pages, 2 MiB aligned, advised
+// as transparent huge pages; its own mapping, so that the advice never lands on memory that
+// malloc hands out again.
 constexpr std::size_t kHugePage = std::size_t{2} << 20, kHugeTensorBytes = std::size_t{4} << 20;
+
+void* map_huge(std::size_t bytes) {  // bytes: a multiple of kHugePage
+  const std::size_t span = bytes + kHugePage;
+  void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const auto a = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t start = (a + kHugePage - 1) / kHugePage * kHugePage, end = start + bytes;
+  if (start > a) munmap(raw, start - a);
+  if (a + span > end) munmap(reinterpret_cast<void*>(end), a + span - end);
+  void* p = reinterpret_cast<void*>(start);
+  (void)madvise(p, bytes, MADV_HUGEPAGE);  // advice: where it is refused, 4 KiB pages
+  return p;
+}
+#endif
 }  // namespace
 
-void Tensor::Free::operator()(void* p) const noexcept { std::free(p); }
+void Tensor::Free::operator()(void* p) const noexcept {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (mapped) {
+    munmap(p, mapped);
+    return;
+  }
+#endif
+  std::free(p);
+}
 
 Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape)) {
   numel_ = checked_numel(shape_, dtype_size(dtype_), "tensor");
   std::size_t bytes = static_cast<std::size_t>(numel_) * dtype_size(dtype_);
   bytes = (bytes + 63) / 64 * 64;  // aligned_alloc needs a multiple of the alignment
   if (bytes == 0) bytes = 64;
-  // Large tensors (KV caches and pools, weights) on whole 2 MiB pages, with the advice that Linux
-  // back them by transparent huge pages: a paged KV pool is read block by block in random order,
-  // and on 4 KiB pages each 16-key block cost a TLB miss and a page-table walk (paged / packed
-  // decode time on a Zen 5, the two calls timed alone: 1.3-1.6 before, 1.0-1.2 with huge pages;
-  // docs/performance.md).
-  const bool huge = bytes >= kHugeTensorBytes;
-  if (huge) bytes = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* p = std::aligned_alloc(huge ? kHugePage : 64, bytes);
-  if (!p) throw std::bad_alloc();
-#if defined(MADV_HUGEPAGE)
-  if (huge) (void)madvise(p, bytes, MADV_HUGEPAGE);  // advice: where it is refused, 4 KiB pages
+  std::size_t mapped = 0;
+  void* p = nullptr;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // Large tensors (KV caches and pools, weights) on transparent huge pages: a paged KV pool is
+  // read block by block in random order, and on 4 KiB pages each 16-key block cost a TLB miss
+  // and a page-table walk (paged / packed decode time on a Zen 5, the two calls timed alone:
+  // 1.3-1.6 before, 1.0-1.2 with huge pages; docs/performance.md).
+  if (bytes >= kHugeTensorBytes) {
+    mapped = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+    p = map_huge(mapped);
+    if (!p) throw std::bad_alloc();
+  }
 #endif
+  if (!p) {
+    p = std::aligned_alloc(64, bytes);
+    if (!p) throw std::bad_alloc();
+  }
+  // Zeros, and every page of the data resident now rather than at a kernel's first write.
   std::memset(p, 0, bytes);
-  buf_.reset(p);
+  buf_ = std::unique_ptr<void, Free>(p, Free{mapped});
 }
 
 std::uint16_t float_to_half(float x) noexcept {
