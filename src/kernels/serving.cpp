@@ -14,8 +14,9 @@
 // split boundaries are absolute, and the merge order is fixed. Which other rows share a work item
 // (tokens of the same sequence, the query heads of one KV head, sharing one read of each key),
 // which thread runs it, and where a key is stored (packed, or any page) change no bit. Each ISA
-// level has its own item body (fused multiply-adds, its vector width), so the bits are those of
-// the level: the same for every batch at a given level. exp and log of the merge from libm.
+// level has its own item body (fused multiply-adds, its vector width; on avx512bf16 the scores of
+// bf16 queries and keys on bf16 dot products), so the bits are those of the level: the same for
+// every batch at a given level. exp and log of the merge from libm.
 //
 // Threads: one work item per (sequence, KV head, tile of tokens, split), dynamic schedule, most
 // work first, so that one long sequence uses every thread; then the merge, one row at a time.
@@ -31,6 +32,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/isa_kernels.hpp"
 #include "kernels/kernels.hpp"
 #include "kernels/serving.hpp"
 #include "kernels/workspace.hpp"
@@ -49,6 +51,8 @@ ServingItemFn serving_item_fn() {
   const Isa isa = active_isa();
   (void)isa;
 #if defined(QKV_HAVE_AVX512)
+  // The bf16 dot products where the tiled kernels use them without AMX tiles (kernels/isa_select.cpp).
+  if (isa == Isa::avx512bf16 && bf16_dot_enabled()) return serving_item_avx512_dp;
   if (isa >= Isa::avx512) return serving_item_avx512;
 #endif
 #if defined(QKV_HAVE_AVX2)

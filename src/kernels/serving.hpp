@@ -15,7 +15,7 @@ namespace qkv::detail {
 struct ServingItem { std::int64_t b, hk, nh, t0, nt, c, cost; };
 
 /// Rows of one work item, at most: tokens times query heads.
-inline constexpr std::int64_t kServingRows = 16;
+inline constexpr std::int64_t kServingRows = 32;
 
 /// Workspace of one thread: rows (at most), D, Dv.
 struct ServingLayout {
@@ -23,7 +23,7 @@ struct ServingLayout {
   std::int64_t bytes() const {
     const std::int64_t Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
     const std::int64_t floats = rows * Dp + rows * (kServingSplit + 16) + 16 * Dp + 16 * Dvp + std::max(Dp, Dvp);
-    return floats * 4 + rows * 16 + 8 * 64;
+    return floats * 4 + rows * 24 + 9 * 64;  // + the query row pointers of the bf16 dot products
   }
 };
 
@@ -31,6 +31,8 @@ struct ServingLayout {
 using ServingItemFn = void (*)(const VarlenProblem&, const ServingItem&, const ServingLayout&, float* parts, std::int64_t NS, char* ws);
 #if defined(QKV_HAVE_AVX512)
 void serving_item_avx512(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
+/// The avx512 item with bf16 dot products for the scores of bf16 queries and keys (avx512bf16).
+void serving_item_avx512_dp(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
 #endif
 #if defined(QKV_HAVE_AVX2)
 void serving_item_avx2(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);

@@ -97,6 +97,9 @@ concept IsaOpsDpbf16 = requires(typename Ops::V v, const std::uint32_t* qp, cons
   Ops::pv_bf16(pp, i, pp, i, i, out, stride, alpha, i);
   // dot_pairs(acc, a, b): acc + the W lanes' pair sums a[x] . b[x] in qk_bf16's order.
   { Ops::dot_pairs(v, pp, pp) } -> std::same_as<typename Ops::V>;
+  // dp_load(h): 2 W bf16 (W pairs) as the bits of a vector; dp(acc, a, b): dot_pairs on two such.
+  { Ops::dp_load(k) } -> std::same_as<typename Ops::V>;
+  { Ops::dp(v, v, v) } -> std::same_as<typename Ops::V>;
 };
 
 /// Everything the engine needs from an ISA: the core, and each optional part its flags promise.

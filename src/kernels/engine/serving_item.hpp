@@ -8,14 +8,17 @@
 // Batch invariance rests on every number of a row depending only on its query, its key range and
 // the keys' values, never on the item's other rows or on where a key is stored:
 //   - s_j = q . k_j: W partial sums along D (fused multiply-adds, d ascending), reduced by
-//     Ops::hsum_w, whose lane i equals hsum of vector i bit for bit;
+//     Ops::hsum_w, whose lane i equals hsum of vector i bit for bit; on avx512bf16, bf16 queries
+//     and keys use the bf16 dot product instead (lane i sums the exact products of the pairs
+//     (d, d + 1) with d = 2 i mod 2 W, pair vectors ascending), read in place for any item size;
 //   - the softmax visits the row's keys in groups of W aligned at absolute key positions, so key
 //     j always sits in lane j mod W; keys outside the row's range are -inf (a select, so a NaN
 //     stored there never enters) and add exact zeros to the lane sums;
 //   - O accumulates p_j v_j over exactly the row's keys, ascending, one fused multiply-add each.
 // Keys and values are read in place as fp32 or bf16 vectors where the row is whole vectors and the
-// item has one row; otherwise each group of W keys is decoded once into the workspace (fp16, the
-// quantized formats: one fp32 product per element, tensor/kv_codec.hpp) and shared by the rows.
+// item has at most 8 rows per KV head; otherwise each group of W keys is decoded once into the
+// workspace (fp16, the quantized formats: one fp32 product per element, tensor/kv_codec.hpp) and
+// shared by the rows.
 // Either way the fp32 values are the same, so the bits are too.
 #include <algorithm>
 #if defined(__F16C__)
@@ -194,6 +197,49 @@ struct ServingItemBody {
     }
   }
 
+  // Scores of bf16 queries and keys on the bf16 dot product (the avx512bf16 level): the same
+  // layout as group_scores, with W pairs of (d, d + 1) per vector and one vdpbf16ps per pair
+  // vector, the query rows and key rows read in place (q[r], kp[x].p; D a multiple of 2 W). The
+  // products of bf16 values are exact in fp32; each lane adds its two products in turn.
+  static void group_scores_dp(const std::uint16_t* const* q, i64 R, const RowRef* kp, i64 D, float* s)
+    requires(Ops::kHasDpbf16 && IsaOpsGroupedScores<Ops>)
+  {
+    constexpr int KQ = W / 4;
+    const i64 nc = D / (2 * W);
+    auto krow = [&](int x) { return static_cast<const std::uint16_t*>(kp[x].p); };
+    i64 r = 0;
+    for (; r + 4 <= R; r += 4) {
+      for (int x0 = 0; x0 < W; x0 += KQ) {
+        V acc[W];
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) acc[i] = Ops::zero();
+        for (i64 c = 0; c < nc; ++c) {
+          V qv[4];
+#pragma GCC unroll 4
+          for (int y = 0; y < 4; ++y) qv[y] = Ops::dp_load(q[r + y] + c * 2 * W);
+#pragma GCC unroll 4
+          for (int x = 0; x < KQ; ++x) {
+            const V kv = Ops::dp_load(krow(x0 + x) + c * 2 * W);
+#pragma GCC unroll 4
+            for (int y = 0; y < 4; ++y) acc[y * KQ + x] = Ops::dp(acc[y * KQ + x], qv[y], kv);
+          }
+        }
+        Ops::store_quarters(s + r * SP + x0, SP, Ops::hsum_w(acc));
+      }
+    }
+    for (; r < R; ++r) {
+      V acc[W];
+#pragma GCC unroll 16
+      for (int x = 0; x < W; ++x) acc[x] = Ops::zero();
+      for (i64 c = 0; c < nc; ++c) {
+        const V qv = Ops::dp_load(q[r] + c * 2 * W);
+#pragma GCC unroll 16
+        for (int x = 0; x < W; ++x) acc[x] = Ops::dp(acc[x], qv, Ops::dp_load(krow(x) + c * 2 * W));
+      }
+      Ops::store(s + r * SP, Ops::hsum_w(acc));
+    }
+  }
+
   // For NR rows with the same keys: o_y (NV vectors at o[y]) += p_y,j v_j for keys j = 0 .. n - 1
   // of a group, ascending (p_y at p[y]); each value vector is read once for the NR rows, and each
   // row sees the fused multiply-adds of the one-row loop.
@@ -236,12 +282,19 @@ struct ServingItemBody {
   // The item: rows of tokens it.t0 .. it.t0 + it.nt - 1 of sequence it.b, the query heads of KV
   // heads it.hk .. it.hk + it.nh - 1, split it.c; partials to parts (row (t, h) of the sequence
   // at ((t Hq + h) NS + c) (Dvp + 2)). Row r is KV head hk + r / Rh, token t0 + (r % Rh) / G.
+  // DP: the level's bf16 dot products for the scores of bf16 queries and keys (a head dim of
+  // whole pair vectors); keys are then read in place however many rows the item has.
+  template <bool DP = false>
   static void run(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, i64 NS, char* ws) {
     const Problem& p = vp.p;
     const i64 G = p.group(), D = p.D, Dv = p.Dv, Rh = it.nt * G, R = Rh * it.nh, b = it.b, c = it.c;
     const i64 Dp = round_up(D), Dvp = round_up(Dv), nq = Dp / W, nv = Dvp / W, pf = Dvp + 2;
     auto carve = [&ws](i64 bytes) { char* r = ws; ws += (bytes + 63) / 64 * 64; return r; };
+    bool kdp = false;
+    if constexpr (DP && Ops::kHasDpbf16)
+      kdp = p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && !vp.kc.scales && D % (2 * W) == 0;
     float* qf = reinterpret_cast<float*>(carve(L.rows * Dp * 4));
+    auto* qrow = reinterpret_cast<const std::uint16_t**>(carve(kdp ? L.rows * 8 : 0));
     float* s = reinterpret_cast<float*>(carve(L.rows * SP * 4));
     float* kst = reinterpret_cast<float*>(carve(W * Dp * 4));
     float* vst = reinterpret_cast<float*>(carve(W * Dvp * 4));
@@ -267,6 +320,7 @@ struct ServingItemBody {
       hi[r] = std::min(hi[r], s1);
       if (lo[r] < hi[r]) { a = std::min(a, lo[r]); e = std::max(e, hi[r]); }
       stage_row(p.q, KVCodec{}, h * p.q.sh + tok * p.q.ss, 0, D, Dp, qf + r * Dp);
+      if (kdp) qrow[r] = static_cast<const std::uint16_t*>(p.q.data) + h * p.q.sh + tok * p.q.ss;
       float* part = part_of(r);
       std::memset(part, 0, static_cast<std::size_t>(Dvp) * 4);
       part[Dvp] = neg_inf;
@@ -291,7 +345,8 @@ struct ServingItemBody {
 
     // Rows of keys j0 .. j0 + W - 1 of KV head hk (those outside [a, e) read as zeros): in place
     // or staged.
-    auto group_rows = [&](const Operand& x, const KVCodec& codec, Src src, i64 n, i64 np, float* st, i64 hk, i64 j0) {
+    auto group_rows = [&](const Operand& x, const KVCodec& codec, Src src, i64 n, i64 np, float* st, i64 hk, i64 j0,
+                          bool place) {
       const i64 ja = std::max(j0, a), jb = std::min(j0 + W, e), ia = ja - j0, ib = jb - j0;
       row_offsets(vp, x, b, hk, ja, jb - ja, off + ia);
       for (i64 i = 0; i < ia; ++i) rows[i] = {zero, 0.0f, zero16};
@@ -318,7 +373,7 @@ struct ServingItemBody {
           for (i64 i = ia; i < ib; ++i) rows[i] = {data + off[i] * esz, 0.0f, zero16};
         }
       }
-      if (in_place && src != Src::staged) return;
+      if (place && src != Src::staged) return;
       for (i64 i = ia; i < ib; ++i) {
         float* dst = st + i * np;
         if (src == Src::staged) {
@@ -368,9 +423,16 @@ struct ServingItemBody {
     for (i64 j0 = g0; j0 < e; j0 += W)
       for (i64 x = 0; x < it.nh; ++x) {
         prefetch_ahead(p.k, vp.kc, D, it.hk + x, j0);
-        group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0);
-        const float* qh = qf + x * Rh * Dp;
         float* sg = s + x * Rh * SP + (j0 - s0);
+        if constexpr (DP && Ops::kHasDpbf16 && IsaOpsGroupedScores<Ops>) {
+          if (kdp) {
+            group_rows(p.k, vp.kc, Src::bf16, D, Dp, kst, it.hk + x, j0, true);
+            group_scores_dp(qrow + x * Rh, Rh, rows, D, sg);
+            continue;
+          }
+        }
+        group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0, in_place);
+        const float* qh = qf + x * Rh * Dp;
         with_src(kread, [&]<Src S>() { group_scores<S>(qh, Dp, Rh, rows, nq, sg); });
       }
 
@@ -415,7 +477,7 @@ struct ServingItemBody {
     for (i64 j0 = g0; j0 < e; j0 += W)
       for (i64 x = 0; x < it.nh; ++x) {
         prefetch_ahead(p.v, vp.vc, Dv, it.hk + x, j0);
-        group_rows(p.v, vp.vc, vs, Dv, Dvp, vst, it.hk + x, j0);
+        group_rows(p.v, vp.vc, vs, Dv, Dvp, vst, it.hk + x, j0, in_place);
         // Rows with the same keys in this group (a token's query heads) share each value read.
         for (i64 r = x * Rh; r < (x + 1) * Rh;) {
           const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
