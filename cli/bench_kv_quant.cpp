@@ -123,8 +123,11 @@ void run_bench_kv_quant(const BenchOptions& o_in) {
       const Cache c = make_cache(f, Sp, Hkv, D);
       const double s = timed([&] { attention_varlen(q, c.kq(), c.vq(), out, cq, ck, p); }, o);
       if (f == KVFormat::bf16) serving_bf16 = s;
-      std::printf("%-8s %-5s %5lld %10.3f %24.2f %24.2f\n", "prefill", std::string(kv_format_name(f)).c_str(),
-                  static_cast<long long>(Hkv), s * 1e3, serving_bf16 > 0 ? s / serving_bf16 : 0.0, s / flash_s);
+      // Formats before bf16 in the list have no bf16 serving time yet: that cell stays empty.
+      char vs_bf16[32] = "";
+      if (serving_bf16 > 0) std::snprintf(vs_bf16, sizeof vs_bf16, "%.2f", s / serving_bf16);
+      std::printf("%-8s %-5s %5lld %10.3f %24s %24.2f\n", "prefill", std::string(kv_format_name(f)).c_str(),
+                  static_cast<long long>(Hkv), s * 1e3, vs_bf16, s / flash_s);
     }
     std::printf("%-8s %-5s %5lld %10.3f   (tiled flash kernel, bf16 q/k/v)\n", "prefill", "bf16", static_cast<long long>(Hkv),
                 flash_s * 1e3);
