@@ -90,9 +90,12 @@ struct Backward {
     pl.C = std::min(pl.C, std::max<i64>(1, kPartialBytes / chunk_bytes));
     pl.C = std::max<i64>(1, std::min(pl.C, pl.nkb));
     pl.wave = std::clamp<i64>(kPartialBytes / (pl.C * chunk_bytes), 1, pairs);
-    pl.lo.assign(p.B, 0);
-    pl.hi.assign(p.B, 0);
-    pl.bounds.assign(p.B * (pl.C + 1), 0);
+    // Constructed, not assign()ed: vector<i64>::_M_fill_assign is emitted out of line, as a weak
+    // symbol the linker may take from the avx512 object for every caller (SIGILL on an avx2
+    // CPU); tests/check_isa_symbols.py keeps the ISA objects free of such symbols.
+    pl.lo = std::vector<i64>(static_cast<std::size_t>(p.B), 0);
+    pl.hi = std::vector<i64>(static_cast<std::size_t>(p.B), 0);
+    pl.bounds = std::vector<i64>(static_cast<std::size_t>(p.B * (pl.C + 1)), 0);
     std::vector<i64> weight(pl.nkb + 1);
     for (i64 b = 0; b < p.B; ++b) {
       // Work per key block: the query rows that admit any of its keys (the same for every head).
