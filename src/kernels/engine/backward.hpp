@@ -92,7 +92,8 @@ struct Backward {
     pl.wave = std::clamp<i64>(kPartialBytes / (pl.C * chunk_bytes), 1, pairs);
     // Constructed, not assign()ed: vector<i64>::_M_fill_assign is emitted out of line, as a weak
     // symbol the linker may take from the avx512 object for every caller (SIGILL on an avx2
-    // CPU); tests/check_isa_symbols.py keeps the ISA objects free of such symbols.
+    // CPU); scripts/check_isa_symbols.py (CTest layers.isa_symbols) keeps the ISA objects free
+    // of such symbols.
     pl.lo = std::vector<i64>(static_cast<std::size_t>(p.B), 0);
     pl.hi = std::vector<i64>(static_cast<std::size_t>(p.B), 0);
     pl.bounds = std::vector<i64>(static_cast<std::size_t>(p.B * (pl.C + 1)), 0);
