@@ -50,8 +50,12 @@ ServingItemFn serving_item_fn() {
   // By order, so that every level above avx512 takes the avx512 body.
   const Isa isa = active_isa();
   (void)isa;
+#if defined(QKV_HAVE_AVX512AMX)
+  // The tile products where the tiled kernels use them (kernels/isa_select.cpp).
+  if (isa == Isa::avx512amx && bf16_dot_enabled()) return serving_item_avx512amx;
+#endif
 #if defined(QKV_HAVE_AVX512)
-  // The bf16 dot products where the tiled kernels use them without AMX tiles (kernels/isa_select.cpp).
+  // The bf16 dot products where the tiled kernels use them without AMX tiles.
   if (isa == Isa::avx512bf16 && bf16_dot_enabled()) return serving_item_avx512_dp;
   if (isa >= Isa::avx512) return serving_item_avx512;
 #endif

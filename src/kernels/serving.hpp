@@ -22,8 +22,12 @@ struct ServingLayout {
   std::int64_t rows, D, Dv;
   std::int64_t bytes() const {
     const std::int64_t Dp = (D + 15) / 16 * 16, Dvp = (Dv + 15) / 16 * 16;
-    const std::int64_t floats = rows * Dp + rows * (kServingSplit + 16) + 16 * Dp + 16 * Dvp + std::max(Dp, Dvp);
-    return floats * 4 + rows * 24 + 9 * 64;  // + the query row pointers of the bf16 dot products
+    const std::int64_t Rp = (rows + 15) / 16 * 16;
+    // The scores have 16 rows of slack, and the tile products (avx512amx) need their queries as
+    // bf16 pairs (at most 16 columns per row: a head of one row takes 16) and 64 keys of S^T.
+    const std::int64_t floats = rows * Dp + (rows + 16) * (kServingSplit + 16) + 16 * Dp + 16 * Dvp +
+                                std::max(Dp, Dvp) + (Dp / 2) * 16 * rows + 64 * Rp;
+    return floats * 4 + rows * 24 + 11 * 64;  // + the query row pointers of the bf16 dot products
   }
 };
 
@@ -33,6 +37,10 @@ using ServingItemFn = void (*)(const VarlenProblem&, const ServingItem&, const S
 void serving_item_avx512(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
 /// The avx512 item with bf16 dot products for the scores of bf16 queries and keys (avx512bf16).
 void serving_item_avx512_dp(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
+#endif
+#if defined(QKV_HAVE_AVX512AMX)
+/// The avx512 item with AMX tile products for the scores of bf16 queries and keys (avx512amx).
+void serving_item_avx512amx(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
 #endif
 #if defined(QKV_HAVE_AVX2)
 void serving_item_avx2(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);

@@ -20,6 +20,10 @@
 // workspace (fp16, the quantized formats: one fp32 product per element, tensor/kv_codec.hpp) and
 // shared by the rows.
 // Either way the fp32 values are the same, so the bits are too.
+// On avx512amx (Score::tiles), the scores of bf16 queries and keys are tile products instead
+// (Ops::qk_bf16: S^T = K Q^T, 16 keys read in place or, where 16 keys are not one stride apart in
+// memory, copied as they are): score (j, r) is one element of a tile product, so it depends on
+// k_j and q_r alone, whatever the other rows and keys of the tile.
 #include <algorithm>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -267,6 +271,40 @@ struct ServingItemBody {
       for (int v = 0; v < NV; ++v) Ops::store(o[y] + e0 + v * W, acc[y][v]);
   }
 
+  // Where Ops has load_bf16_split (AVX-512): PV of bf16 values read in place, 2 W values per load
+  // split into their even and odd elements. o then holds each block of 2 W values as (even, odd)
+  // halves, put back in order by unsplit_rows; every value sees the same fused multiply-adds, so
+  // the bits are group_pv's.
+  static constexpr bool kSplitPv = requires(const std::uint16_t* h, V& x) { Ops::load_bf16_split(h, x, x); };
+
+  // As group_pv for NR rows (up to 8), bf16 values, one block of 2 W values at e0.
+  template <int NR>
+  static void group_pv_split(const float* const* p, i64 n, const RowRef* vrow, i64 e0, float* const* o)
+    requires(kSplitPv)
+  {
+    V acc[NR][2];
+#pragma GCC unroll 8
+    for (int y = 0; y < NR; ++y) {
+      acc[y][0] = Ops::load(o[y] + e0);
+      acc[y][1] = Ops::load(o[y] + e0 + W);
+    }
+    for (i64 j = 0; j < n; ++j) {
+      V ev, od;
+      Ops::load_bf16_split(static_cast<const std::uint16_t*>(vrow[j].p) + e0, ev, od);
+#pragma GCC unroll 8
+      for (int y = 0; y < NR; ++y) {
+        const V pj = Ops::set1(p[y][j]);
+        acc[y][0] = Ops::fma(pj, ev, acc[y][0]);
+        acc[y][1] = Ops::fma(pj, od, acc[y][1]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int y = 0; y < NR; ++y) {
+      Ops::store(o[y] + e0, acc[y][0]);
+      Ops::store(o[y] + e0 + W, acc[y][1]);
+    }
+  }
+
   // NR rows (1, 2 or 4) over nvec vectors of Dv, kPvVecs / NR vectors at a time in registers.
   template <Src S, int NR>
   static void pv_rows(const float* const* p, i64 n, const RowRef* vrow, i64 nvec, float* const* o) {
@@ -279,23 +317,101 @@ struct ServingItemBody {
     }
   }
 
+  // Scores on tiles (Score::tiles): s[r * SP + j - s0] = q_r . k_j for the item's rows and the
+  // keys of [g0, e) (16-key groups; may write up to 15 rows past the last head's). Per KV head,
+  // its Rh query rows are packed as bf16 pairs, qp[d / 2][sp] with sp = 16 ceil(Rh / 16) (zero
+  // past Rh); then, a run of at most kTileKeys keys at a time, each head's S^T goes to km and is
+  // transposed into s in 16 x 16 blocks. A group of 16 keys is read in place where its rows lie
+  // one stride apart inside the sequence (a packed cache; a paged one with 16 | block_size),
+  // otherwise its keys of [a, e) are copied into kb (16 x D bf16, zeros elsewhere): the same
+  // values, so the same bits.
+  template <class F>
+  static void tile_scores(const VarlenProblem& vp, const ServingItem& it, const std::uint16_t* const* qrow, i64 Rh,
+                          i64 a, i64 e, i64 g0, i64 s0, std::uint16_t* kb, char* ws, float* s, F&& prefetch_ahead)
+    requires(Ops::kHasDpbf16)
+  {
+    const Problem& p = vp.p;
+    const Operand& k = p.k;
+    const i64 D = p.D, b = it.b, nh = it.nh, sp = (Rh + 15) / 16 * 16, lk = vp.seq_k[b];
+    auto* qp = reinterpret_cast<std::uint32_t*>(ws);
+    float* km = reinterpret_cast<float*>(ws + (nh * (D / 2) * sp * 4 + 63) / 64 * 64);
+    for (i64 x = 0; x < nh; ++x) {
+      std::uint32_t* qx = qp + x * (D / 2) * sp;
+      for (i64 r = 0; r < sp; ++r) {
+        if (r < Rh) {
+          const std::uint16_t* q = qrow[x * Rh + r];
+          for (i64 d2 = 0; d2 < D / 2; ++d2) qx[d2 * sp + r] = q[2 * d2] | static_cast<std::uint32_t>(q[2 * d2 + 1]) << 16;
+        } else {
+          for (i64 d2 = 0; d2 < D / 2; ++d2) qx[d2 * sp + r] = 0;
+        }
+      }
+    }
+    const auto* kd = static_cast<const std::uint16_t*>(k.data);
+    const bool paged_whole = vp.paged && vp.block_size % 16 == 0;
+    // Where group j0 of head hk lies in memory (nullptr: not one stride apart).
+    auto in_place = [&](i64 hk, i64 j0) -> const std::uint16_t* {
+      if (vp.paged) return paged_whole ? kd + vp.key_off(k, b, hk, j0) : nullptr;
+      return j0 + 16 <= lk ? kd + vp.key_off(k, b, hk, j0) : nullptr;
+    };
+    for (i64 j0 = g0; j0 < e;) {
+      // A run of whole groups one stride apart (packed: up to kTileKeys; paged: inside a block).
+      i64 n = 16;
+      if (in_place(it.hk, j0) != nullptr) {
+        while (n < kTileKeys && j0 + n < e && in_place(it.hk, j0 + n) != nullptr &&
+               (!vp.paged || (j0 + n) % vp.block_size != 0))
+          n += 16;
+      }
+      for (i64 x = 0; x < nh; ++x) {
+        const i64 hk = it.hk + x;
+        for (i64 g = 0; g < n; g += 16) prefetch_ahead(k, vp.kc, D, hk, j0 + g);
+        const std::uint16_t* kp = in_place(hk, j0);
+        i64 ks = k.ss;
+        if (kp == nullptr) {  // one group, its keys of [a, e) copied
+          const i64 ja = std::max(j0, a), jb = std::min(j0 + 16, e);
+          std::memset(kb, 0, static_cast<std::size_t>(16 * D) * 2);
+          for (i64 j = ja; j < jb; ++j) std::memcpy(kb + (j - j0) * D, kd + vp.key_off(k, b, hk, j), static_cast<std::size_t>(D) * 2);
+          kp = kb;
+          ks = D;
+        }
+        Ops::qk_bf16(qp + x * (D / 2) * sp, static_cast<int>(sp / 16), kp, ks, D, static_cast<int>(n), km,
+                     static_cast<int>(sp));
+        for (i64 g = 0; g < n; g += 16)
+          for (i64 r0 = 0; r0 < Rh; r0 += 16) {
+            const float* rows[16];
+            for (int y = 0; y < 16; ++y) rows[y] = km + (g + y) * sp + r0;
+            Ops::transpose(rows, s + (x * Rh + r0) * SP + (j0 + g - s0), SP);
+          }
+      }
+      j0 += n;
+    }
+  }
+
+  // How the scores of bf16 queries and keys are formed (a head dim of whole pair vectors; other
+  // inputs always take fma): fp32 multiply-adds of the widened values, the level's bf16 dot
+  // products (group_scores_dp), or its tile products (Ops::qk_bf16 on AMX tiles).
+  enum class Score { fma, dp, tiles };
+
+  // Keys per tile product call: S^T of up to 64 keys x 32 rows in the workspace (8 KiB).
+  static constexpr i64 kTileKeys = 64;
+
   // The item: rows of tokens it.t0 .. it.t0 + it.nt - 1 of sequence it.b, the query heads of KV
   // heads it.hk .. it.hk + it.nh - 1, split it.c; partials to parts (row (t, h) of the sequence
   // at ((t Hq + h) NS + c) (Dvp + 2)). Row r is KV head hk + r / Rh, token t0 + (r % Rh) / G.
-  // DP: the level's bf16 dot products for the scores of bf16 queries and keys (a head dim of
-  // whole pair vectors); keys are then read in place however many rows the item has.
-  template <bool DP = false>
+  // Score::dp and Score::tiles read keys in place however many rows the item has.
+  template <Score SC = Score::fma>
   static void run(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, i64 NS, char* ws) {
     const Problem& p = vp.p;
     const i64 G = p.group(), D = p.D, Dv = p.Dv, Rh = it.nt * G, R = Rh * it.nh, b = it.b, c = it.c;
     const i64 Dp = round_up(D), Dvp = round_up(Dv), nq = Dp / W, nv = Dvp / W, pf = Dvp + 2;
     auto carve = [&ws](i64 bytes) { char* r = ws; ws += (bytes + 63) / 64 * 64; return r; };
     bool kdp = false;
-    if constexpr (DP && Ops::kHasDpbf16)
+    if constexpr (SC != Score::fma && Ops::kHasDpbf16)
       kdp = p.q.dtype == DType::bf16 && p.k.dtype == DType::bf16 && !vp.kc.scales && D % (2 * W) == 0;
+    const bool tiles = SC == Score::tiles && kdp;
     float* qf = reinterpret_cast<float*>(carve(L.rows * Dp * 4));
     auto* qrow = reinterpret_cast<const std::uint16_t**>(carve(kdp ? L.rows * 8 : 0));
-    float* s = reinterpret_cast<float*>(carve(L.rows * SP * 4));
+    // Tiles: 16 rows past the item's, where a head's last 16-row block of scores may land.
+    float* s = reinterpret_cast<float*>(carve((L.rows + 16) * SP * 4));
     float* kst = reinterpret_cast<float*>(carve(W * Dp * 4));
     float* vst = reinterpret_cast<float*>(carve(W * Dvp * 4));
     float* zero = reinterpret_cast<float*>(carve(std::max(Dp, Dvp) * 4));
@@ -420,11 +536,18 @@ struct ServingItemBody {
 
     // Scores of every row against every key of [g0, e), a group of W keys at a time, the KV
     // heads in turn (in a packed [T, Hkv, D] cache a token's heads are adjacent: read in order).
-    for (i64 j0 = g0; j0 < e; j0 += W)
+    bool scored = false;
+    if constexpr (SC == Score::tiles && Ops::kHasDpbf16) {
+      if (tiles) {
+        tile_scores(vp, it, qrow, Rh, a, e, g0, s0, reinterpret_cast<std::uint16_t*>(kst), ws, s, prefetch_ahead);
+        scored = true;
+      }
+    }
+    for (i64 j0 = g0; j0 < e && !scored; j0 += W)
       for (i64 x = 0; x < it.nh; ++x) {
         prefetch_ahead(p.k, vp.kc, D, it.hk + x, j0);
         float* sg = s + x * Rh * SP + (j0 - s0);
-        if constexpr (DP && Ops::kHasDpbf16 && IsaOpsGroupedScores<Ops>) {
+        if constexpr (SC != Score::fma && Ops::kHasDpbf16 && IsaOpsGroupedScores<Ops>) {
           if (kdp) {
             group_rows(p.k, vp.kc, Src::bf16, D, Dp, kst, it.hk + x, j0, true);
             group_scores_dp(qrow + x * Rh, Rh, rows, D, sg);
@@ -474,6 +597,9 @@ struct ServingItemBody {
     }
 
     // O += p_j v_j over each row's own keys, ascending, a group of W values at a time.
+    bool split = false;
+    if constexpr (kSplitPv) split = vread == Src::bf16 && nv % 2 == 0;
+    const int max_nr = split ? 8 : 4;
     for (i64 j0 = g0; j0 < e; j0 += W)
       for (i64 x = 0; x < it.nh; ++x) {
         prefetch_ahead(p.v, vp.vc, Dv, it.hk + x, j0);
@@ -482,16 +608,28 @@ struct ServingItemBody {
         for (i64 r = x * Rh; r < (x + 1) * Rh;) {
           const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
           int nr = 1;
-          while (nr < 4 && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
-          if (nr == 3) nr = 2;
+          while (nr < max_nr && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
+          nr = nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
           if (ja < jb) {
-            const float* pr[4];
-            float* o[4];
+            const float* pr[8];
+            float* o[8];
             for (int y = 0; y < nr; ++y) {
               pr[y] = s + (r + y) * SP + (ja - s0);
               o[y] = part_of(r + y);
             }
             const RowRef* vr = rows + (ja - j0);
+            if constexpr (kSplitPv) {
+              if (split) {
+                for (i64 c = 0; c < nv; c += 2) {
+                  if (nr == 8) group_pv_split<8>(pr, jb - ja, vr, c * W, o);
+                  else if (nr == 4) group_pv_split<4>(pr, jb - ja, vr, c * W, o);
+                  else if (nr == 2) group_pv_split<2>(pr, jb - ja, vr, c * W, o);
+                  else group_pv_split<1>(pr, jb - ja, vr, c * W, o);
+                }
+                r += nr;
+                continue;
+              }
+            }
             with_src(vread, [&]<Src S>() {
               if (nr == 4) pv_rows<S, 4>(pr, jb - ja, vr, nv, o);
               else if (nr == 2) pv_rows<S, 2>(pr, jb - ja, vr, nv, o);
@@ -501,6 +639,12 @@ struct ServingItemBody {
           r += nr;
         }
       }
+    if constexpr (kSplitPv) {
+      if (split)
+        for (i64 r = 0; r < R; ++r)
+          if (lo[r] < hi[r])
+            for (i64 c = 0; c < nv; c += 2) Ops::unsplit_bf16_order(part_of(r) + c * W);
+    }
   }
 };
 

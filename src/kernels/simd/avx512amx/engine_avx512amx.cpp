@@ -37,6 +37,7 @@
 #include "kernels/engine/engine.hpp"
 #include "kernels/engine/with_int.hpp"
 #include "kernels/isa_kernels.hpp"
+#include "kernels/engine/serving_item.hpp"
 
 namespace qkv::detail {
 namespace engine_avx512amx {
@@ -216,5 +217,11 @@ const IsaKernels kIsaKernelsAvx512Amx = {
     engine_avx512amx::E::exp_array,
     nullptr,
 };
+
+void serving_item_avx512amx(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
+                            std::int64_t NS, char* ws) {
+  using Body = engine_avx512amx::ServingItemBody<engine_avx512amx::Ops>;
+  Body::run<Body::Score::tiles>(vp, it, L, parts, NS, ws);
+}
 
 }  // namespace qkv::detail
