@@ -2,14 +2,19 @@
 //   decode   Sq 1, Sk 32768 (--quick: 4096), Hq 8, Hkv 8 and 2, D 128, one sequence, for every
 //            format of K and V (the same for both): time, GB/s of the cache's bytes (codes and
 //            scales) against the read bandwidth of a 512 MiB buffer measured in the same run, and
-//            the time against bf16's;
+//            the time against bf16's; warm (the same cache every call, which a large L3 may
+//            partly hold) and cold (each call on the next of copies of the cache that together
+//            hold twice the 512 MiB, so that every call reads from DRAM, as a server's caches do);
 //   prefill  a causal prefill of 2048 tokens (--quick: 512) over the cache, Hq 8, Hkv 2, D 128:
 //            each format through the serving kernel against the bf16 cache through the same
 //            kernel and through the tiled flash kernel (kernel = flash, not chunking invariant).
 // Medians of --repeats timed runs; the ratios are measured in the same run.
 #include <omp.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -52,6 +57,27 @@ Cache make_cache(KVFormat f, i64 S, i64 Hkv, i64 D) {
   return c;
 }
 
+Tensor copy_of(const Tensor& t) {
+  Tensor c(t.dtype(), t.shape());
+  std::memcpy(c.data(), t.data(), t.nbytes());
+  return c;
+}
+
+// Copies of c (c itself first) that together hold at least `bytes`, at least two.
+std::vector<Cache> cold_copies(const Cache& c, double bytes) {
+  const int n = std::max(2, static_cast<int>(std::ceil(bytes / c.bytes)));
+  std::vector<Cache> out(static_cast<std::size_t>(n));
+  for (Cache& x : out) {
+    x.f = c.f;
+    x.k = copy_of(c.k);
+    x.v = copy_of(c.v);
+    x.ks = copy_of(c.ks);
+    x.vs = copy_of(c.vs);
+    x.bytes = c.bytes;
+  }
+  return out;
+}
+
 double timed(const std::function<void()>& fn, const BenchOptions& o) {
   return bench::median(bench::time_runs(fn, o.repeats, o.budget, o.min_time));
 }
@@ -80,29 +106,43 @@ void run_bench_kv_quant(const BenchOptions& o_in) {
   AttentionParams p;
   p.causal = true;
   p.num_threads = threads;
-  std::printf("%-8s %-5s %5s %10s %11s %9s %8s %14s\n", "rows", "kv", "Hkv", "time ms", "MiB read", "GB/s", "of DRAM",
-              "time / bf16's");
+  std::printf("%-8s %-5s %5s %10s %11s %9s %8s %14s %10s %9s %8s %14s\n", "rows", "kv", "Hkv", "time ms", "MiB read", "GB/s",
+              "of DRAM", "time / bf16's", "cold ms", "GB/s", "of DRAM", "time / bf16's");
   for (const i64 Hkv : {i64{8}, i64{2}}) {
     Tensor q(DType::f32, {1, Hq, D}), out(DType::f32, {1, Hq, D});
     std::mt19937_64 rng(2);
     std::normal_distribution<float> n(0.0f, 1.0f);
     for (i64 i = 0; i < q.numel(); ++i) q.data_as<float>()[i] = n(rng);
     const Tensor cq = cu(1), ck = cu(Sk);
-    std::vector<double> secs;
-    double bf16_s = 0;
+    std::vector<double> secs, cold_secs;
+    double bf16_s = 0, bf16_cold = 0;
     for (KVFormat f : formats) {
       const Cache c = make_cache(f, Sk, Hkv, D);
       const double s = timed([&] { attention_varlen(q, c.kq(), c.vq(), out, cq, ck, p); }, o);
-      if (f == KVFormat::bf16) bf16_s = s;
+      double cold = 0;
+      {
+        const std::vector<Cache> copies = cold_copies(c, 2.0 * o.read_mib * (1 << 20));
+        std::size_t next = 0;
+        cold = timed([&] {
+          const Cache& x = copies[next++ % copies.size()];
+          attention_varlen(q, x.kq(), x.vq(), out, cq, ck, p);
+        }, o);
+      }
+      if (f == KVFormat::bf16) { bf16_s = s; bf16_cold = cold; }
       secs.push_back(s);
-      const double gbps = c.bytes / s / 1e9;
-      std::printf("%-8s %-5s %5lld %10.3f %11.1f %9.1f %8.2f", "decode", std::string(kv_format_name(f)).c_str(),
-                  static_cast<long long>(Hkv), s * 1e3, c.bytes / (1 << 20), gbps, gbps / dram);
-      if (bf16_s > 0) std::printf(" %14.2f", s / bf16_s);
-      std::printf("\n");
+      cold_secs.push_back(cold);
+      const double gbps = c.bytes / s / 1e9, cold_gbps = c.bytes / cold / 1e9;
+      char rel[16] = "", cold_rel[16] = "";
+      if (bf16_s > 0) {
+        std::snprintf(rel, sizeof rel, "%.2f", s / bf16_s);
+        std::snprintf(cold_rel, sizeof cold_rel, "%.2f", cold / bf16_cold);
+      }
+      std::printf("%-8s %-5s %5lld %10.3f %11.1f %9.1f %8.2f %14s %10.3f %9.1f %8.2f %14s\n", "decode",
+                  std::string(kv_format_name(f)).c_str(), static_cast<long long>(Hkv), s * 1e3, c.bytes / (1 << 20),
+                  gbps, gbps / dram, rel, cold * 1e3, cold_gbps, cold_gbps / dram, cold_rel);
     }
-    std::printf("decode Hkv %lld: bf16 / int8 time %.2f (int8 speed-up over bf16)\n\n", static_cast<long long>(Hkv),
-                secs[1] / secs[3]);
+    std::printf("decode Hkv %lld: bf16 / int8 time %.2f warm, %.2f cold (int8 speed-up over bf16)\n\n",
+                static_cast<long long>(Hkv), secs[1] / secs[3], cold_secs[1] / cold_secs[3]);
   }
   {
     const i64 Hkv = 2;

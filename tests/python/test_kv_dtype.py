@@ -69,6 +69,14 @@ for f in ("f32", "bf16", "f16", "int8", "q8_0", "fp8"):
     check(f"bench --kv-quant: decode rows of {f} for Hkv 8 and 2",
           sorted(r[2] for r in rows if r[0] == "decode" and r[1] == f) == ["2", "8"], p.stdout)
     check(f"bench --kv-quant: a prefill row of {f}", any(r[0] == "prefill" and r[1] == f for r in rows), p.stdout)
+# The cold columns: each decode row also timed on copies of its cache that together hold twice the
+# read buffer (16 MiB here), and the speed-up line gives both.
+check("bench --kv-quant: cold columns", "cold ms" in p.stdout, p.stdout)
+check("bench --kv-quant: a warm and a cold speed-up per Hkv",
+      sum(1 for l in p.stdout.splitlines() if l.startswith("decode Hkv") and " warm, " in l and " cold " in l) == 2, p.stdout)
+for r in rows:
+    if r[0] == "decode" and r[1] in ("bf16", "int8"):
+        check(f"bench --kv-quant: {r[1]} Hkv {r[2]}: a cold time", len(r) == 12 and float(r[8]) > 0, p.stdout)
 p = subprocess.run([QKV, "bench", "--kv-accuracy", "--quick"], capture_output=True, text=True, timeout=300)
 check("bench --kv-accuracy: exit 0", p.returncode == 0, p.stderr)
 table = [l for l in p.stdout.splitlines() if l.startswith("| ") and "/" in l.split("|")[1] and "K/V" not in l]
