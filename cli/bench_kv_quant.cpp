@@ -63,7 +63,7 @@ Tensor copy_of(const Tensor& t) {
   return c;
 }
 
-// Copies of c (c itself first) that together hold at least `bytes`, at least two.
+// Fresh copies of c that together hold at least `bytes`, at least two.
 std::vector<Cache> cold_copies(const Cache& c, double bytes) {
   const int n = std::max(2, static_cast<int>(std::ceil(bytes / c.bytes)));
   std::vector<Cache> out(static_cast<std::size_t>(n));

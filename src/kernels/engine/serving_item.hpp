@@ -273,7 +273,7 @@ struct ServingItemBody {
 
   // Where Ops has load_bf16_split (AVX-512): PV of bf16 values read in place, 2 W values per load
   // split into their even and odd elements. o then holds each block of 2 W values as (even, odd)
-  // halves, put back in order by unsplit_rows; every value sees the same fused multiply-adds, so
+  // halves, put back in order by Ops::unsplit_bf16_order at the end of the item; every value sees the same fused multiply-adds, so
   // the bits are group_pv's.
   static constexpr bool kSplitPv = requires(const std::uint16_t* h, V& x) { Ops::load_bf16_split(h, x, x); };
 
