@@ -36,6 +36,7 @@
 
 #include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
+#include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/with_int.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "kernels/serving.hpp"
@@ -273,8 +274,8 @@ struct ServingItemBody {
 
   // Where Ops has load_bf16_split (AVX-512): PV of bf16 values read in place, 2 W values per load
   // split into their even and odd elements. o then holds each block of 2 W values as (even, odd)
-  // halves, put back in order by Ops::unsplit_bf16_order at the end of the item; every value sees the same fused multiply-adds, so
-  // the bits are group_pv's.
+  // halves, put back in order by Ops::unsplit_bf16_order at the end of the item; every value sees
+  // the same fused multiply-adds, so the bits are group_pv's.
   static constexpr bool kSplitPv = requires(const std::uint16_t* h, V& x) { Ops::load_bf16_split(h, x, x); };
 
   // As group_pv for NR rows (up to 8), bf16 values, one block of 2 W values at e0.
@@ -317,6 +318,14 @@ struct ServingItemBody {
     }
   }
 
+  // How the scores of bf16 queries and keys are formed (a head dim of whole pair vectors; other
+  // inputs always take fma): fp32 multiply-adds of the widened values, the level's bf16 dot
+  // products (group_scores_dp), or its tile products (Ops::qk_bf16 on AMX tiles).
+  enum class Score { fma, dp, tiles };
+
+  // Keys per tile product call: S^T of up to 64 keys x 32 rows in the workspace (8 KiB).
+  static constexpr i64 kTileKeys = 64;
+
   // Scores on tiles (Score::tiles): s[r * SP + j - s0] = q_r . k_j for the item's rows and the
   // keys of [g0, e) (16-key groups; may write up to 15 rows past the last head's). Per KV head,
   // its Rh query rows are packed as bf16 pairs, qp[d / 2][sp] with sp = 16 ceil(Rh / 16) (zero
@@ -336,15 +345,9 @@ struct ServingItemBody {
     auto* qp = reinterpret_cast<std::uint32_t*>(ws);
     float* km = reinterpret_cast<float*>(ws + (nh * (D / 2) * sp * 4 + 63) / 64 * 64);
     for (i64 x = 0; x < nh; ++x) {
-      std::uint32_t* qx = qp + x * (D / 2) * sp;
-      for (i64 r = 0; r < sp; ++r) {
-        if (r < Rh) {
-          const std::uint16_t* q = qrow[x * Rh + r];
-          for (i64 d2 = 0; d2 < D / 2; ++d2) qx[d2 * sp + r] = q[2 * d2] | static_cast<std::uint32_t>(q[2 * d2 + 1]) << 16;
-        } else {
-          for (i64 d2 = 0; d2 < D / 2; ++d2) qx[d2 * sp + r] = 0;
-        }
-      }
+      const char* src[kServingRows];
+      for (i64 r = 0; r < Rh; ++r) src[r] = reinterpret_cast<const char*>(qrow[x * Rh + r]);
+      Microkernels<Ops>::pack_pairs(src, static_cast<int>(Rh), D, qp + x * (D / 2) * sp, static_cast<int>(sp));
     }
     const auto* kd = static_cast<const std::uint16_t*>(k.data);
     const bool paged_whole = vp.paged && vp.block_size % 16 == 0;
@@ -385,14 +388,6 @@ struct ServingItemBody {
       j0 += n;
     }
   }
-
-  // How the scores of bf16 queries and keys are formed (a head dim of whole pair vectors; other
-  // inputs always take fma): fp32 multiply-adds of the widened values, the level's bf16 dot
-  // products (group_scores_dp), or its tile products (Ops::qk_bf16 on AMX tiles).
-  enum class Score { fma, dp, tiles };
-
-  // Keys per tile product call: S^T of up to 64 keys x 32 rows in the workspace (8 KiB).
-  static constexpr i64 kTileKeys = 64;
 
   // The item: rows of tokens it.t0 .. it.t0 + it.nt - 1 of sequence it.b, the query heads of KV
   // heads it.hk .. it.hk + it.nh - 1, split it.c; partials to parts (row (t, h) of the sequence
@@ -536,28 +531,26 @@ struct ServingItemBody {
 
     // Scores of every row against every key of [g0, e), a group of W keys at a time, the KV
     // heads in turn (in a packed [T, Hkv, D] cache a token's heads are adjacent: read in order).
-    bool scored = false;
     if constexpr (SC == Score::tiles && Ops::kHasDpbf16) {
-      if (tiles) {
-        tile_scores(vp, it, qrow, Rh, a, e, g0, s0, reinterpret_cast<std::uint16_t*>(kst), ws, s, prefetch_ahead);
-        scored = true;
-      }
+      if (tiles) tile_scores(vp, it, qrow, Rh, a, e, g0, s0, reinterpret_cast<std::uint16_t*>(kst), ws, s, prefetch_ahead);
     }
-    for (i64 j0 = g0; j0 < e && !scored; j0 += W)
-      for (i64 x = 0; x < it.nh; ++x) {
-        prefetch_ahead(p.k, vp.kc, D, it.hk + x, j0);
-        float* sg = s + x * Rh * SP + (j0 - s0);
-        if constexpr (SC != Score::fma && Ops::kHasDpbf16 && IsaOpsGroupedScores<Ops>) {
-          if (kdp) {
-            group_rows(p.k, vp.kc, Src::bf16, D, Dp, kst, it.hk + x, j0, true);
-            group_scores_dp(qrow + x * Rh, Rh, rows, D, sg);
-            continue;
+    if (!tiles) {
+      for (i64 j0 = g0; j0 < e; j0 += W)
+        for (i64 x = 0; x < it.nh; ++x) {
+          prefetch_ahead(p.k, vp.kc, D, it.hk + x, j0);
+          float* sg = s + x * Rh * SP + (j0 - s0);
+          if constexpr (SC != Score::fma && Ops::kHasDpbf16 && IsaOpsGroupedScores<Ops>) {
+            if (kdp) {
+              group_rows(p.k, vp.kc, Src::bf16, D, Dp, kst, it.hk + x, j0, true);
+              group_scores_dp(qrow + x * Rh, Rh, rows, D, sg);
+              continue;
+            }
           }
+          group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0, in_place);
+          const float* qh = qf + x * Rh * Dp;
+          with_src(kread, [&]<Src S>() { group_scores<S>(qh, Dp, Rh, rows, nq, sg); });
         }
-        group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0, in_place);
-        const float* qh = qf + x * Rh * Dp;
-        with_src(kread, [&]<Src S>() { group_scores<S>(qh, Dp, Rh, rows, nq, sg); });
-      }
+    }
 
     // Per row: scale (and softcap), the mask, max, exponentials, their sum.
     alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};

@@ -113,7 +113,8 @@ void serving_item_avx512(const VarlenProblem& vp, const ServingItem& it, const S
 
 void serving_item_avx512_dp(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
                             std::int64_t NS, char* ws) {
-  engine_avx512::ServingItemBody<engine_avx512::Ops>::run<engine_avx512::ServingItemBody<engine_avx512::Ops>::Score::dp>(vp, it, L, parts, NS, ws);
+  using Body = engine_avx512::ServingItemBody<engine_avx512::Ops>;
+  Body::run<Body::Score::dp>(vp, it, L, parts, NS, ws);
 }
 
 }  // namespace qkv::detail
