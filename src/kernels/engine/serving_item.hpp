@@ -17,9 +17,11 @@
 //   - O accumulates p_j v_j over exactly the row's keys, ascending, one fused multiply-add each.
 // Keys and values are read in place as fp32 or bf16 vectors where the row is whole vectors and the
 // item has at most 8 rows per KV head; otherwise each group of W keys is decoded once into the
-// workspace (fp16, the quantized formats: one fp32 product per element, tensor/kv_codec.hpp) and
-// shared by the rows.
-// Either way the fp32 values are the same, so the bits are too.
+// workspace (fp16; q8_0: one fp32 product per element, tensor/kv_codec.hpp; int8 and fp8: their
+// codes as fp32, the row's scale kept beside) and shared by the rows.
+// Either way the fp32 values are the same, so the bits are too. The one scale of an int8 or fp8
+// row multiplies that key's score after the dot product, s_j = sc_j (q . c_j), and its weight,
+// (p_j sc_j) c_j, in both cases alike.
 // On avx512amx (Score::tiles), the scores of bf16 queries and keys are tile products instead
 // (Ops::qk_bf16: S^T = K Q^T, 16 keys read in place or, where 16 keys are not one stride apart in
 // memory, copied as they are): score (j, r) is one element of a tile product, so it depends on
@@ -53,10 +55,15 @@ struct ServingItemBody {
   static constexpr i64 SP = P + 16;  // pitch of a row's scores: rows off 4 KiB multiples
   static constexpr int kPvVecs = 8;  // vectors of Dv accumulated in registers at once
 
-  // How a key (or value) row is read: vectors of its dtype, or of the codes of a quantized
-  // format times their scale (one fp32 product per element, as decode_row forms it); staged:
+  // How a key (or value) row is read: vectors of its dtype, of q8_0 codes times their block's
+  // scale (one fp32 product per element, as decode_row forms it), or of int8 or fp8 codes alone;
+  // f32s: int8 or fp8 codes staged as fp32 in the workspace, their scale beside them; staged:
   // decoded to fp32 in the workspace by stage_row (a head_dim that is not whole vectors, f64).
-  enum class Src { f32, bf16, f16, i8, q8, e4m3, staged };
+  enum class Src { f32, bf16, f16, i8, q8, e4m3, f32s, staged };
+  // Formats of one scale per row (int8 per token and head, fp8 per head): load_row gives the
+  // codes as fp32 and the scale multiplies the row's score, s_j = sc_j (q . c_j), and the
+  // weight of its value, (p_j sc_j) c_j, once per key rather than once per element.
+  static constexpr bool row_scaled(Src s) { return s == Src::i8 || s == Src::e4m3 || s == Src::f32s; }
   // A row: its data, and the scale of int8 and fp8 or the fp16 block scales of q8_0.
   struct RowRef {
     const void* p;
@@ -79,6 +86,7 @@ struct ServingItemBody {
       case Src::i8: f.template operator()<Src::i8>(); break;
       case Src::q8: f.template operator()<Src::q8>(); break;
       case Src::e4m3: f.template operator()<Src::e4m3>(); break;
+      case Src::f32s: f.template operator()<Src::f32s>(); break;
       default: f.template operator()<Src::f32>(); break;
     }
   }
@@ -145,11 +153,11 @@ struct ServingItemBody {
     } else if constexpr (S == Src::f16) {
       return Ops::load_f16(static_cast<const std::uint16_t*>(r.p) + e);
     } else if constexpr (S == Src::i8) {
-      return Ops::mul(Ops::load_i8(static_cast<const std::int8_t*>(r.p) + e), Ops::set1(r.sc));
+      return Ops::load_i8(static_cast<const std::int8_t*>(r.p) + e);  // times r.sc per key
     } else if constexpr (S == Src::q8) {  // a vector lies in one block of 32
       return Ops::mul(Ops::load_i8(static_cast<const std::int8_t*>(r.p) + e), Ops::set1(block_scale(r.sc16[e / kQ8Block])));
     } else if constexpr (S == Src::e4m3) {
-      return Ops::mul(Ops::load_e4m3(static_cast<const std::uint8_t*>(r.p) + e), Ops::set1(r.sc));
+      return Ops::load_e4m3(static_cast<const std::uint8_t*>(r.p) + e);  // times r.sc per key
     } else {
       return Ops::load(static_cast<const float*>(r.p) + e);
     }
@@ -258,7 +266,10 @@ struct ServingItemBody {
     for (i64 j = 0; j < n; ++j) {
       V pj[NR];
 #pragma GCC unroll 4
-      for (int y = 0; y < NR; ++y) pj[y] = Ops::set1(p[y][j]);
+      for (int y = 0; y < NR; ++y) {
+        if constexpr (row_scaled(S)) pj[y] = Ops::set1(p[y][j] * vrow[j].sc);
+        else pj[y] = Ops::set1(p[y][j]);
+      }
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) {
         const V vv = load_row<S>(vrow[j], e0 + v * W);
@@ -445,7 +456,8 @@ struct ServingItemBody {
     // decoded once into the workspace and shared by the rows.
     const Src ks = src_of(p.k, vp.kc, D, Dp), vs = src_of(p.v, vp.vc, Dv, Dvp);
     const bool in_place = Rh <= 8;
-    const Src kread = in_place ? ks : Src::f32, vread = in_place ? vs : Src::f32;
+    auto staged_src = [](Src s) { return row_scaled(s) ? Src::f32s : Src::f32; };
+    const Src kread = in_place ? ks : staged_src(ks), vread = in_place ? vs : staged_src(vs);
     const i64 g0 = a / W * W;
     i64 off[W];
     RowRef rows[W];
@@ -494,7 +506,7 @@ struct ServingItemBody {
             for (i64 c = 0; c < np; c += W) Ops::store(dst + c, load_row<S>(rows[i], c));
           });
         }
-        rows[i] = {dst, 0.0f, zero16};
+        rows[i] = {dst, row_scaled(src) ? rows[i].sc : 0.0f, zero16};
       }
     };
 
@@ -548,7 +560,15 @@ struct ServingItemBody {
           }
           group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0, in_place);
           const float* qh = qf + x * Rh * Dp;
-          with_src(kread, [&]<Src S>() { group_scores<S>(qh, Dp, Rh, rows, nq, sg); });
+          with_src(kread, [&]<Src S>() {
+            group_scores<S>(qh, Dp, Rh, rows, nq, sg);
+            if constexpr (row_scaled(S)) {
+              alignas(64) float sc[W];
+              for (int i = 0; i < W; ++i) sc[i] = rows[i].sc;
+              const V vsc = Ops::load(sc);
+              for (i64 r = 0; r < Rh; ++r) Ops::store(sg + r * SP, Ops::mul(Ops::load(sg + r * SP), vsc));
+            }
+          });
         }
     }
 
