@@ -7,6 +7,7 @@
 // PagedKVCache equal to one prefill; KVCache in quantized formats; errors.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -17,6 +18,7 @@
 #include "qkv/kv_quant.hpp"
 #include "qkv/paged_kv_cache.hpp"
 #include "serving_case.hpp"
+#include "tensor/kv_codec.hpp"  // e4m3_to_float
 
 using namespace qkv;
 using namespace qkv::test;
@@ -182,6 +184,56 @@ TEST(KVQuantAttention, ChunkedPrefillAndDecodeEqualOnePrefill) {
       EXPECT_TRUE(same_bits(out, ref)) << name(kf, vf) << " threads " << threads;
     }
   }
+}
+
+// Every code of int8 and fp8 through the kernel: one key, so each output element is its value's
+// code times the scale (1: exact), for a decode row (codes read in place) and for 12 query rows
+// (codes staged in the workspace), on every ISA level; the bits must be dequantize_kv's. The fp8
+// scale is also 2^-8 and 2^6, which moves every value but keeps the products exact.
+TEST(KVQuantAttention, EveryCodeDecodesExactly) {
+  const i64 D = 256;
+  for (const KVFormat f : {KVFormat::int8, KVFormat::fp8})
+    for (const float scale : {1.0f, 0x1p-8f, 0x1p6f}) {
+      if (f == KVFormat::int8 && scale != 1.0f) continue;  // int8's scale is max |x| / 127 = 1
+      Tensor x(DType::f32, {1, 1, D});
+      for (i64 d = 0; d < D; ++d) {
+        float val = 0;
+        if (f == KVFormat::int8) {
+          val = d < 255 ? static_cast<float>(d - 127) : 0.0f;
+        } else if ((d & 0x7f) != 0x7f && d != 0x80) {  // 0x7f, 0xff: NaN, never written; 0x80: -0,
+          // which the sum 0 + 1 x (-0) of the output makes +0
+          val = detail::e4m3_to_float(static_cast<std::uint8_t>(d)) * scale;
+        }
+        x.data_as<float>()[d] = val;
+      }
+      Tensor codes(kv_format_dtype(f), {1, 1, D});
+      Tensor sc(kv_scales_dtype(f), kv_scales_shape(f, x.shape()));
+      if (f == KVFormat::fp8) sc.data_as<float>()[0] = scale;
+      const QuantizedKV kv{f, codes.view(), sc.view()};
+      quantize_kv(x, kv, "x");
+      Tensor want(DType::f32, {1, 1, D});
+      dequantize_kv(kv, want);
+      ASSERT_TRUE(same_bits(want, x)) << kv_format_name(f) << ": the values chosen are not exact codes";
+      for (const i64 sq : {i64{1}, i64{12}}) {
+        Tensor q(DType::f32, {sq, 1, D});
+        std::mt19937_64 rng(5);
+        fill_normal(q, rng);
+        Tensor cq(DType::i32, {2}), ck(DType::i32, {2});
+        cq.data_as<std::int32_t>()[0] = 0;
+        cq.data_as<std::int32_t>()[1] = static_cast<std::int32_t>(sq);
+        ck.data_as<std::int32_t>()[0] = 0;
+        ck.data_as<std::int32_t>()[1] = 1;
+        for (detail::Isa isa : test_isas(DType::f32)) {
+          IsaCap cap(isa);
+          Tensor out(DType::f32, {sq, 1, D});
+          attention_varlen(q, kv, kv, out, cq, ck, AttentionParams{});
+          for (i64 t = 0; t < sq; ++t)
+            ASSERT_EQ(std::memcmp(out.data_as<float>() + t * D, want.data(), static_cast<std::size_t>(D) * 4), 0)
+                << kv_format_name(f) << " scale " << scale << " rows " << sq << " isa " << detail::isa_name(isa)
+                << " token " << t;
+        }
+      }
+    }
 }
 
 // KVCache in quantized formats: prefill, ragged appends and decode steps against the float64
