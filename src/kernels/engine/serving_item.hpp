@@ -23,9 +23,10 @@
 // row multiplies that key's score after the dot product, s_j = sc_j (q . c_j), and its weight,
 // (p_j sc_j) c_j, in both cases alike.
 // On avx512amx (Score::tiles), the scores of bf16 queries and keys are tile products instead
-// (Ops::qk_bf16: S^T = K Q^T, 16 keys read in place or, where 16 keys are not one stride apart in
-// memory, copied as they are): score (j, r) is one element of a tile product, so it depends on
-// k_j and q_r alone, whatever the other rows and keys of the tile.
+// (Ops::qk_bf16_groups: S^T = K Q^T, groups of 16 keys read in place, two to a product, or,
+// where 16 keys are not one stride apart in memory, copied as they are): score (j, r) is one
+// element of a tile product, so it depends on k_j and q_r alone, whatever the other rows and keys
+// of the tile.
 #include <algorithm>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -331,7 +332,7 @@ struct ServingItemBody {
 
   // How the scores of bf16 queries and keys are formed (a head dim of whole pair vectors; other
   // inputs always take fma): fp32 multiply-adds of the widened values, the level's bf16 dot
-  // products (group_scores_dp), or its tile products (Ops::qk_bf16 on AMX tiles).
+  // products (group_scores_dp), or its tile products (Ops::qk_bf16_groups on AMX tiles).
   enum class Score { fma, dp, tiles };
 
   // Keys per tile product call: S^T of up to 64 keys x 32 rows in the workspace (8 KiB).
@@ -368,27 +369,28 @@ struct ServingItemBody {
       return j0 + 16 <= lk ? kd + vp.key_off(k, b, hk, j0) : nullptr;
     };
     for (i64 j0 = g0; j0 < e;) {
-      // A run of whole groups one stride apart (packed: up to kTileKeys; paged: inside a block).
+      // A run of up to kTileKeys keys in whole groups each read in place (a packed cache; a paged
+      // one with 16 | block_size, each group inside one block), or one group copied.
       i64 n = 16;
-      if (in_place(it.hk, j0) != nullptr) {
-        while (n < kTileKeys && j0 + n < e && in_place(it.hk, j0 + n) != nullptr &&
-               (!vp.paged || (j0 + n) % vp.block_size != 0))
-          n += 16;
-      }
+      const bool place = in_place(it.hk, j0) != nullptr;
+      if (place)
+        while (n < kTileKeys && j0 + n < e && in_place(it.hk, j0 + n) != nullptr) n += 16;
       for (i64 x = 0; x < nh; ++x) {
         const i64 hk = it.hk + x;
         for (i64 g = 0; g < n; g += 16) prefetch_ahead(k, vp.kc, D, hk, j0 + g);
-        const std::uint16_t* kp = in_place(hk, j0);
+        const std::uint16_t* kg[kTileKeys / 16];
         i64 ks = k.ss;
-        if (kp == nullptr) {  // one group, its keys of [a, e) copied
+        if (place) {
+          for (i64 g = 0; g < n; g += 16) kg[g / 16] = in_place(hk, j0 + g);
+        } else {  // one group, its keys of [a, e) copied
           const i64 ja = std::max(j0, a), jb = std::min(j0 + 16, e);
           std::memset(kb, 0, static_cast<std::size_t>(16 * D) * 2);
           for (i64 j = ja; j < jb; ++j) std::memcpy(kb + (j - j0) * D, kd + vp.key_off(k, b, hk, j), static_cast<std::size_t>(D) * 2);
-          kp = kb;
+          kg[0] = kb;
           ks = D;
         }
-        Ops::qk_bf16(qp + x * (D / 2) * sp, static_cast<int>(sp / 16), kp, ks, D, static_cast<int>(n), km,
-                     static_cast<int>(sp));
+        Ops::qk_bf16_groups(qp + x * (D / 2) * sp, static_cast<int>(sp / 16), kg, ks, D, static_cast<int>(n / 16), km,
+                            static_cast<int>(sp));
         for (i64 g = 0; g < n; g += 16)
           for (i64 r0 = 0; r0 < Rh; r0 += 16) {
             const float* rows[16];

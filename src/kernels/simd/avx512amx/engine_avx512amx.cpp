@@ -55,10 +55,11 @@ alignas(64) constexpr TileConfig kTileConfig{};
 struct Ops : OpsAvx512 {
   using Base = OpsAvx512;
 
-  // S^T for MR x 16 keys and NC x 16 queries: C tiles 0..3, A tiles 4, 5, B tiles 6, 7.
+  // S^T for MR x 16 keys (the first 16 at k, the second at k2, rows ks apart) and NC x 16
+  // queries: C tiles 0..3, A tiles 4, 5, B tiles 6, 7.
   template <int MR, int NC>
-  static void qk_tiles(const std::uint32_t* qp, int sp, const std::uint16_t* k, std::int64_t ks, std::int64_t D,
-                       float* s, int ssp) {
+  static void qk_tiles(const std::uint32_t* qp, int sp, const std::uint16_t* k, const std::uint16_t* k2, std::int64_t ks,
+                       std::int64_t D, float* s, int ssp) {
     _tile_zero(0);
     if constexpr (NC > 1) _tile_zero(1);
     if constexpr (MR > 1) _tile_zero(2);
@@ -66,7 +67,7 @@ struct Ops : OpsAvx512 {
     const int kstride = static_cast<int>(ks * 2), qstride = sp * 4;
     for (std::int64_t d0 = 0; d0 < D; d0 += 32) {
       _tile_loadd(4, k + d0, kstride);
-      if constexpr (MR > 1) _tile_loadd(5, k + 16 * ks + d0, kstride);
+      if constexpr (MR > 1) _tile_loadd(5, k2 + d0, kstride);
       _tile_loadd(6, qp + (d0 / 2) * sp, qstride);
       if constexpr (NC > 1) _tile_loadd(7, qp + (d0 / 2) * sp + 16, qstride);
       _tile_dpbf16ps(0, 4, 6);
@@ -81,6 +82,28 @@ struct Ops : OpsAvx512 {
     if constexpr (MR > 1 && NC > 1) _tile_stored(3, s + 16 * ssp + 16, sstride);
   }
 
+  // Scores of ng groups of 16 keys, group g at group(g) (rows ks apart), against nqv x 16
+  // queries, in tile products of two groups: group g's scores at rows 16 g of s.
+  template <class Group>
+  static void qk_groups(const std::uint32_t* qp, int nqv, Group&& group, std::int64_t ks, std::int64_t D, int ng,
+                        float* s, int ssp) {
+    _tile_loadconfig(&kTileConfig);
+    const int sp = nqv * 16;
+    for (int g = 0; g < ng; g += 2) {
+      const bool two = ng - g >= 2;
+      const std::uint16_t* k1 = group(g);
+      const std::uint16_t* k2 = two ? group(g + 1) : nullptr;
+      for (int c = 0; c < nqv; c += 2) {
+        const bool wide = nqv - c >= 2;
+        float* sj = s + g * 16 * ssp + c * 16;
+        if (two && wide) qk_tiles<2, 2>(qp + c * 16, sp, k1, k2, ks, D, sj, ssp);
+        else if (two) qk_tiles<2, 1>(qp + c * 16, sp, k1, k2, ks, D, sj, ssp);
+        else if (wide) qk_tiles<1, 2>(qp + c * 16, sp, k1, k2, ks, D, sj, ssp);
+        else qk_tiles<1, 1>(qp + c * 16, sp, k1, k2, ks, D, sj, ssp);
+      }
+    }
+  }
+
   // s[j * ssp + r] = q_r . k_j, as OpsAvx512::qk_bf16.
   static void qk_bf16(const std::uint32_t* qp, int nqv, const std::uint16_t* k, std::int64_t ks, std::int64_t D,
                       int kt, float* s, int ssp) {
@@ -88,20 +111,15 @@ struct Ops : OpsAvx512 {
       Base::qk_bf16(qp, nqv, k, ks, D, kt, s, ssp);
       return;
     }
-    _tile_loadconfig(&kTileConfig);
-    const int sp = nqv * 16;
-    for (int j0 = 0; j0 < kt; j0 += 32) {
-      const bool two = kt - j0 >= 32;
-      for (int c = 0; c < nqv; c += 2) {
-        const bool wide = nqv - c >= 2;
-        const std::uint16_t* kj = k + j0 * ks;
-        float* sj = s + j0 * ssp + c * 16;
-        if (two && wide) qk_tiles<2, 2>(qp + c * 16, sp, kj, ks, D, sj, ssp);
-        else if (two) qk_tiles<2, 1>(qp + c * 16, sp, kj, ks, D, sj, ssp);
-        else if (wide) qk_tiles<1, 2>(qp + c * 16, sp, kj, ks, D, sj, ssp);
-        else qk_tiles<1, 1>(qp + c * 16, sp, kj, ks, D, sj, ssp);
-      }
-    }
+    qk_groups(qp, nqv, [&](int g) { return k + g * 16 * ks; }, ks, D, kt / 16, s, ssp);
+  }
+
+  // As qk_bf16 for ng groups of 16 keys, group g at kg[g] (its rows ks apart; D a multiple of
+  // 32), scores of group g at rows 16 g of s: keys of a paged cache, one block per group, in tile
+  // products of 32 keys as in a packed cache.
+  static void qk_bf16_groups(const std::uint32_t* qp, int nqv, const std::uint16_t* const* kg, std::int64_t ks,
+                             std::int64_t D, int ng, float* s, int ssp) {
+    qk_groups(qp, nqv, [&](int g) { return kg[g]; }, ks, D, ng, s, ssp);
   }
 
   // C tiles 0..NC-1 += A (the nkb blocks of 16 pairs in a) times NC x 16 columns of vp. C starts
