@@ -131,16 +131,18 @@ struct Ops {
   static V load_i8(const std::int8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  // e4m3fn as e4m3_to_float (tensor/kv_codec.hpp) forms it: normal codes rebase the exponent,
-  // subnormal ones are (m & 7) 2^-9; then the sign.
+  // e4m3fn as e4m3_to_float (tensor/kv_codec.hpp) gives it: each code read as a normal one,
+  // 2^(e - 7) (1 + m / 8), its exponent rebased in the integer bits; a subnormal code (e = 0) read
+  // so is 2^-7 (1 + m / 8), and 2 v - 2^-6 = m 2^-9 is its value, exactly (never a denormal, so
+  // FTZ and DAZ change nothing). Sign-extended, bit 31 of x is the code's sign.
   static V load_e4m3(const std::uint8_t* p) {
-    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m256i mag = _mm256_and_si256(x, _mm256_set1_epi32(0x7f));
-    const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(120 << 3)), 20);
-    const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_and_si256(mag, _mm256_set1_epi32(7))), _mm256_set1_ps(0x1p-9f));
-    const __m256i is_normal = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7));
-    const __m256i bits = _mm256_blendv_epi8(_mm256_castps_si256(sub), normal, is_normal);
-    return _mm256_castsi256_ps(_mm256_or_si256(bits, _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x80)), 24)));
+    const __m256i x = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256 v = _mm256_castsi256_ps(_mm256_add_epi32(
+        _mm256_and_si256(_mm256_slli_epi32(x, 20), _mm256_set1_epi32(0x07f00000)), _mm256_set1_epi32(120 << 23)));
+    const __m256 subnormal =
+        _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x78)), _mm256_setzero_si256()));
+    const __m256 m = _mm256_blendv_ps(v, _mm256_fmsub_ps(v, _mm256_set1_ps(2.0f), _mm256_set1_ps(0x1p-6f)), subnormal);
+    return _mm256_or_ps(m, _mm256_and_ps(_mm256_castsi256_ps(x), _mm256_set1_ps(-0.0f)));
   }
   static constexpr bool kMaskedFma = false;
   static void f16_to_f32(const std::uint16_t* s, float* d, std::int64_t n) {
