@@ -7,6 +7,8 @@
 // PagedKVCache equal to one prefill; KVCache in quantized formats; errors.
 #include <gtest/gtest.h>
 
+#include <bit>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -67,14 +69,23 @@ TEST(KVQuantAttention, PackedAndPagedAgainstReferenceOnDequantized) {
   for (const auto& sh : shapes)
     for (const auto& [kf, vf] : kCombos) {
       ++n;
-      if ((n + static_cast<int>(sh.d)) % 2 == 0) continue;  // half of the grid per shape keeps it fast
-      const Packed pk = make_packed(seqs, sh.hq, sh.hkv, sh.d, sh.d, DType::f32, 300 + n);
+      Packed pk = make_packed(seqs, sh.hq, sh.hkv, sh.d, sh.d, DType::f32, 300 + n);
       Quant kq = quantize(pk.k, kf, 7 + n), vq = quantize(pk.v, vf, 8 + n);
       const QuantizedKV K = kq.scales.numel() ? kq.view(kf) : QuantizedKV{kf, kq.codes.view(), {}};
       const QuantizedKV V = vq.scales.numel() ? vq.view(vf) : QuantizedKV{vf, vq.codes.view(), {}};
       Packed dq = make_packed(seqs, sh.hq, sh.hkv, sh.d, sh.d, DType::f32, 300 + n);  // the same q
       dq.k = std::move(kq.deq);
       dq.v = std::move(vq.deq);
+      // Every third case: bf16 queries over the quantized cache (and their values as float32 q
+      // for the reference and the float32 copies).
+      const bool bf16_q = n % 3 == 0;
+      Tensor qb(DType::bf16, pk.q.shape());
+      if (bf16_q)
+        for (i64 i = 0; i < pk.q.numel(); ++i) {
+          qb.data_as<std::uint16_t>()[i] = float_to_bf16(pk.q.data_as<float>()[i]);
+          pk.q.data_as<float>()[i] = dq.q.data_as<float>()[i] = bf16_to_float(qb.data_as<std::uint16_t>()[i]);
+        }
+      const Tensor& q = bf16_q ? qb : pk.q;
       AttentionParams params;
       params.causal = n % 3 != 0;
       if (n % 4 == 1) params.window_left = 200;
@@ -107,17 +118,17 @@ TEST(KVQuantAttention, PackedAndPagedAgainstReferenceOnDequantized) {
         }
       const Tensor table = cache.block_table(ids), lens = cache.seq_lens(ids);
       const std::string what = name(kf, vf) + " Hq" + std::to_string(sh.hq) + " Hkv" + std::to_string(sh.hkv) + " D" +
-                               std::to_string(sh.d);
-      for (detail::Isa isa : test_isas(DType::f32)) {
+                               std::to_string(sh.d) + (bf16_q ? " bf16 q" : "");
+      for (detail::Isa isa : test_isas(DType::bf16)) {  // every level: each compiles its own item
         IsaCap cap(isa);
         // The float32 dequantized keys at the same ISA level (each level has its own bits).
         Tensor float_o(DType::f32, {pk.Tq, sh.hq, sh.d}), float_l(DType::f32, {sh.hq, pk.Tq});
-        attention_varlen(dq.q, dq.k, dq.v, float_o, dq.cu_q, dq.cu_k, params, float_l.view());
+        attention_varlen(pk.q, dq.k, dq.v, float_o, dq.cu_q, dq.cu_k, params, float_l.view());  // float32 q
         for (int threads : {1, 2}) {
           AttentionParams p = params;
           p.num_threads = threads;
           Tensor o(DType::f32, {pk.Tq, sh.hq, sh.d}), l(DType::f32, {sh.hq, pk.Tq});
-          attention_varlen(pk.q, K, V, o, pk.cu_q, pk.cu_k, p, l.view());
+          attention_varlen(q, K, V, o, pk.cu_q, pk.cu_k, p, l.view());
           EXPECT_LE(max_err(o, ref_o, what + " out"), 5e-6) << what;
           EXPECT_LE(max_err(l, ref_l, what + " lse"), 5e-6) << what;
           // A row scale applied once per key rounds apart from the float32 copies: the
@@ -127,7 +138,7 @@ TEST(KVQuantAttention, PackedAndPagedAgainstReferenceOnDequantized) {
             EXPECT_TRUE(same_bits(l, float_l)) << what;
           }
           Tensor po(DType::f32, {pk.Tq, sh.hq, sh.d}), pl(DType::f32, {sh.hq, pk.Tq});
-          attention_paged(pk.q, cache.keys(), cache.values(), po, pk.cu_q, lens, table, p, pl.view());
+          attention_paged(q, cache.keys(), cache.values(), po, pk.cu_q, lens, table, p, pl.view());
           EXPECT_TRUE(same_bits(po, o)) << what << ": paged differs from packed";
           EXPECT_TRUE(same_bits(pl, l)) << what << ": paged lse differs from packed";
         }
@@ -154,7 +165,8 @@ TEST(KVQuantAttention, ChunkedPrefillAndDecodeEqualOnePrefill) {
   fill_normal(v, rng);
   AttentionParams p;
   p.causal = true;
-  for (const auto& [kf, vf] : {std::pair{KVFormat::int8, KVFormat::q8_0}, std::pair{KVFormat::fp8, KVFormat::fp8}}) {
+  for (const auto& [kf, vf] : {std::pair{KVFormat::int8, KVFormat::q8_0}, std::pair{KVFormat::fp8, KVFormat::fp8},
+                               std::pair{KVFormat::q8_0, KVFormat::int8}}) {
     PagedKVCache one(200, 16, Hkv, D, kf, vf);
     Tensor ref(DType::f32, {S, Hq, D});
     const i64 a = one.add_sequence();
@@ -186,54 +198,75 @@ TEST(KVQuantAttention, ChunkedPrefillAndDecodeEqualOnePrefill) {
   }
 }
 
-// Every code of int8 and fp8 through the kernel: one key, so each output element is its value's
-// code times the scale (1: exact), for a decode row (codes read in place) and for 12 query rows
-// (codes staged in the workspace), on every ISA level; the bits must be dequantize_kv's. The fp8
-// scale is also 2^-8 and 2^6, which moves every value but keeps the products exact.
+// Every code of int8 and fp8 (all 256 bytes, written directly) through the kernel, on every ISA
+// level, for a head dim of whole vectors (256) and one that is not (40: codes staged). T keys of D
+// elements hold the codes in turn (key t, element d: code t D + d mod 256), scale 1, 2^-8 or 2^6
+// (int8: times 1, 2 or 4 from key to key), softmax scale 1/8 (every product exact):
+// - value side: with one key each output row is that key's values, code times scale, the bits of
+//   dequantize_kv (a -0 value comes out +0: the output is the sum 0 + 1 x (-0));
+// - key side: a query one-hot at element d scores, and with one key has the lse,
+//   scale x code_d / 8, exact; a key code decoded wrong, or its scale applied twice or not at all,
+//   moves it.
+// As T x D decode sequences of one query each over their own copy of their key (rows read in
+// place where D is whole vectors), and as T prefills of D queries over one key each (staged).
 TEST(KVQuantAttention, EveryCodeDecodesExactly) {
-  const i64 D = 256;
-  for (const KVFormat f : {KVFormat::int8, KVFormat::fp8})
-    for (const float scale : {1.0f, 0x1p-8f, 0x1p6f}) {
-      if (f == KVFormat::int8 && scale != 1.0f) continue;  // int8's scale is max |x| / 127 = 1
-      Tensor x(DType::f32, {1, 1, D});
-      for (i64 d = 0; d < D; ++d) {
-        float val = 0;
-        if (f == KVFormat::int8) {
-          val = d < 255 ? static_cast<float>(d - 127) : 0.0f;
-        } else if ((d & 0x7f) != 0x7f && d != 0x80) {  // 0x7f, 0xff: NaN, never written; 0x80: -0,
-          // which the sum 0 + 1 x (-0) of the output makes +0
-          val = detail::e4m3_to_float(static_cast<std::uint8_t>(d)) * scale;
+  for (const i64 D : {i64{256}, i64{40}}) {
+    const i64 T = (256 + D - 1) / D, N = T * D;  // keys, and queries (one per key element)
+    for (const KVFormat f : {KVFormat::int8, KVFormat::fp8})
+      for (const float scale : {1.0f, 0x1p-8f, 0x1p6f}) {
+        // int8 scales differ from key to key (by powers of 2), so a scale read from the wrong row shows.
+        const auto key_scale = [&](i64 t) { return f == KVFormat::int8 ? std::ldexp(scale, static_cast<int>(t % 3)) : scale; };
+        // Decode: key row n (a copy of key n / D) for query n; prefill: key t for queries t D ..
+        const auto make_kv = [&](i64 rows, i64 per, Tensor& codes, Tensor& sc) {
+          codes = Tensor(kv_format_dtype(f), {rows, 1, D});
+          for (i64 r = 0; r < rows; ++r)
+            for (i64 d = 0; d < D; ++d)
+              static_cast<std::uint8_t*>(codes.data())[r * D + d] = static_cast<std::uint8_t>((r / per * D + d) % 256);
+          sc = Tensor(kv_scales_dtype(f), kv_scales_shape(f, codes.shape()));  // int8: [rows, 1]; fp8: [1]
+          for (i64 i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = f == KVFormat::int8 ? key_scale(i / per) : scale;
+          return QuantizedKV{f, codes.view(), sc.view()};
+        };
+        Tensor dec_codes, dec_sc, pre_codes, pre_sc;
+        const QuantizedKV dec = make_kv(N, D, dec_codes, dec_sc), pre = make_kv(T, 1, pre_codes, pre_sc);
+        Tensor deq(DType::f32, pre_codes.shape());
+        dequantize_kv(pre, deq);
+        const float* want = deq.data_as<float>();  // key t's values at want + t D
+        for (i64 i = 0; i < N; ++i) {
+          const auto c = static_cast<std::uint8_t>(i % 256);
+          const float code = f == KVFormat::int8 ? static_cast<float>(static_cast<std::int8_t>(c)) : detail::e4m3_to_float(c);
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(want[i]), std::bit_cast<std::uint32_t>(code * key_scale(i / D))) << i;
         }
-        x.data_as<float>()[d] = val;
-      }
-      Tensor codes(kv_format_dtype(f), {1, 1, D});
-      Tensor sc(kv_scales_dtype(f), kv_scales_shape(f, x.shape()));
-      if (f == KVFormat::fp8) sc.data_as<float>()[0] = scale;
-      const QuantizedKV kv{f, codes.view(), sc.view()};
-      quantize_kv(x, kv, "x");
-      Tensor want(DType::f32, {1, 1, D});
-      dequantize_kv(kv, want);
-      ASSERT_TRUE(same_bits(want, x)) << kv_format_name(f) << ": the values chosen are not exact codes";
-      for (const i64 sq : {i64{1}, i64{12}}) {
-        Tensor q(DType::f32, {sq, 1, D});
-        std::mt19937_64 rng(5);
-        fill_normal(q, rng);
-        Tensor cq(DType::i32, {2}), ck(DType::i32, {2});
-        cq.data_as<std::int32_t>()[0] = 0;
-        cq.data_as<std::int32_t>()[1] = static_cast<std::int32_t>(sq);
-        ck.data_as<std::int32_t>()[0] = 0;
-        ck.data_as<std::int32_t>()[1] = 1;
-        for (detail::Isa isa : test_isas(DType::f32)) {
-          IsaCap cap(isa);
-          Tensor out(DType::f32, {sq, 1, D});
-          attention_varlen(q, kv, kv, out, cq, ck, AttentionParams{});
-          for (i64 t = 0; t < sq; ++t)
-            ASSERT_EQ(std::memcmp(out.data_as<float>() + t * D, want.data(), static_cast<std::size_t>(D) * 4), 0)
-                << kv_format_name(f) << " scale " << scale << " rows " << sq << " isa " << detail::isa_name(isa)
-                << " token " << t;
+        Tensor q(DType::f32, {N, 1, D});  // query n one-hot at element n mod D
+        for (i64 n = 0; n < N; ++n) q.data_as<float>()[n * D + n % D] = 1.0f;
+        AttentionParams params;
+        params.scale = 0.125;
+        for (const bool decode : {true, false}) {
+          const i64 batch = decode ? N : T;
+          Tensor cq(DType::i32, {batch + 1}), ck(DType::i32, {batch + 1});
+          for (i64 b = 0; b <= batch; ++b) {
+            cq.data_as<std::int32_t>()[b] = static_cast<std::int32_t>(decode ? b : b * D);
+            ck.data_as<std::int32_t>()[b] = static_cast<std::int32_t>(b);
+          }
+          for (detail::Isa isa : test_isas(DType::bf16)) {  // every level: each compiles its own item
+            IsaCap cap(isa);
+            Tensor out(DType::f32, {N, 1, D}), lse(DType::f32, {1, N});
+            const QuantizedKV& kv = decode ? dec : pre;
+            attention_varlen(q, kv, kv, out, cq, ck, params, lse.view());
+            const std::string what = std::string(kv_format_name(f)) + " D " + std::to_string(D) + " scale " +
+                                     std::to_string(scale) + (decode ? " decode" : " prefill") + " isa " +
+                                     detail::isa_name(isa);
+            for (i64 n = 0; n < N; ++n) {
+              const float* key = want + n / D * D;
+              for (i64 d = 0; d < D; ++d)
+                ASSERT_EQ(std::bit_cast<std::uint32_t>(out.data_as<float>()[n * D + d]),
+                          std::bit_cast<std::uint32_t>(key[d] + 0.0f))
+                    << what << " query " << n << " element " << d;
+              ASSERT_EQ(lse.data_as<float>()[n], key[n % D] * 0.125f) << what << " query " << n;
+            }
+          }
         }
       }
-    }
+  }
 }
 
 // KVCache in quantized formats: prefill, ragged appends and decode steps against the float64

@@ -98,12 +98,14 @@ void attention_paged(const TensorView& q, const TensorView& k_pool, const Tensor
 /// K and V each in its own (int8, q8_0, fp8, or float32/bfloat16/float16): k [total_k, Hkv, D]
 /// and v [total_k, Hkv, Dv] packed, or the pools [num_blocks, Hkv, block_size, D|Dv], with their
 /// scales. q is float32, bfloat16 or float16. The result is attention over the dequantized
-/// values (code * scale in float32): the serving kernel decodes each key and value row once per
-/// work item (all query heads of a KV head and up to 16 tokens share it) and keeps every
+/// values (code * scale in float32): the serving kernel converts each key and value row in
+/// registers as a decode item reads it, or decodes it once into the workspace of a prefill item
+/// (whose up to 32 rows, the query heads of a KV head times tokens, share it), and keeps every
 /// guarantee of batch invariance above. q8_0 rows are decoded as code * scale per element, so
 /// those bits equal the kernel's over float32 copies of the dequantized cache; an int8 or fp8
 /// row's one scale multiplies its score and its weight instead, s_j = sc_j (q . c_j) and
-/// (p_j sc_j) c_j, once per key (a rounding apart from those copies). kernel = reference runs the float64 specification on the
+/// (p_j sc_j) c_j, once per key, for any head_dim (a rounding apart from those copies).
+/// kernel = reference runs the float64 specification on the
 /// dequantized values. K and V in one float format of q's dtype take the float form above (any
 /// kernel); other mixes of float formats (e.g. float32 q over bfloat16 K and V) the serving kernel.
 /// @throws qkv::Error as the float forms, for operands that do not match their format

@@ -15,13 +15,14 @@
 //     j always sits in lane j mod W; keys outside the row's range are -inf (a select, so a NaN
 //     stored there never enters) and add exact zeros to the lane sums;
 //   - O accumulates p_j v_j over exactly the row's keys, ascending, one fused multiply-add each.
-// Keys and values are read in place as fp32 or bf16 vectors where the row is whole vectors and the
-// item has at most 8 rows per KV head; otherwise each group of W keys is decoded once into the
-// workspace (fp16; q8_0: one fp32 product per element, tensor/kv_codec.hpp; int8 and fp8: their
-// codes as fp32, the row's scale kept beside) and shared by the rows.
+// Where the row is whole vectors and the item has at most 8 rows per KV head (decode), keys and
+// values are read in place and converted in registers (fp16 and bf16 widened; q8_0: one fp32
+// product per element, tensor/kv_codec.hpp; int8 and fp8: their codes as fp32); otherwise each
+// group of W keys is decoded once into the workspace (the same fp32 values; int8 and fp8: their
+// codes, the row's scale kept beside) and shared by the rows.
 // Either way the fp32 values are the same, so the bits are too. The one scale of an int8 or fp8
 // row multiplies that key's score after the dot product, s_j = sc_j (q . c_j), and its weight,
-// (p_j sc_j) c_j, in both cases alike.
+// (p_j sc_j) c_j, on every path alike (any head_dim).
 // On avx512amx (Score::tiles), the scores of bf16 queries and keys are tile products instead
 // (Ops::qk_bf16_groups: S^T = K Q^T, groups of 16 keys read in place, two to a product, or,
 // where 16 keys are not one stride apart in memory, copied as they are): score (j, r) is one
@@ -59,12 +60,17 @@ struct ServingItemBody {
   // How a key (or value) row is read: vectors of its dtype, of q8_0 codes times their block's
   // scale (one fp32 product per element, as decode_row forms it), or of int8 or fp8 codes alone;
   // f32s: int8 or fp8 codes staged as fp32 in the workspace, their scale beside them; staged:
-  // decoded to fp32 in the workspace by stage_row (a head_dim that is not whole vectors, f64).
-  enum class Src { f32, bf16, f16, i8, q8, e4m3, f32s, staged };
+  // decoded to fp32 in the workspace by stage_row (a head_dim that is not whole vectors, f64);
+  // staged_codes: int8 or fp8 of such a head_dim, their codes staged as fp32 by stage_row, the
+  // scale beside (read as f32s).
+  enum class Src { f32, bf16, f16, i8, q8, e4m3, f32s, staged, staged_codes };
   // Formats of one scale per row (int8 per token and head, fp8 per head): load_row gives the
   // codes as fp32 and the scale multiplies the row's score, s_j = sc_j (q . c_j), and the
   // weight of its value, (p_j sc_j) c_j, once per key rather than once per element.
-  static constexpr bool row_scaled(Src s) { return s == Src::i8 || s == Src::e4m3 || s == Src::f32s; }
+  static constexpr bool row_scaled(Src s) {
+    return s == Src::i8 || s == Src::e4m3 || s == Src::f32s || s == Src::staged_codes;
+  }
+  static constexpr bool is_staged(Src s) { return s == Src::staged || s == Src::staged_codes; }
   // A row: its data, and the scale of int8 and fp8 or the fp16 block scales of q8_0.
   struct RowRef {
     const void* p;
@@ -73,7 +79,8 @@ struct ServingItemBody {
   };
 
   static Src src_of(const Operand& x, const KVCodec& codec, i64 n, i64 np) {
-    if (n != np) return Src::staged;
+    const bool row_scale = codec.scales && codec.format != KVFormat::q8_0;
+    if (n != np) return row_scale ? Src::staged_codes : Src::staged;
     if (codec.scales) return codec.format == KVFormat::int8 ? Src::i8 : codec.format == KVFormat::q8_0 ? Src::q8 : Src::e4m3;
     return x.dtype == DType::f32 ? Src::f32 : x.dtype == DType::bf16 ? Src::bf16 : x.dtype == DType::f16 ? Src::f16 : Src::staged;
   }
@@ -87,7 +94,8 @@ struct ServingItemBody {
       case Src::i8: f.template operator()<Src::i8>(); break;
       case Src::q8: f.template operator()<Src::q8>(); break;
       case Src::e4m3: f.template operator()<Src::e4m3>(); break;
-      case Src::f32s: f.template operator()<Src::f32s>(); break;
+      case Src::f32s:
+      case Src::staged_codes: f.template operator()<Src::f32s>(); break;
       default: f.template operator()<Src::f32>(); break;
     }
   }
@@ -115,9 +123,16 @@ struct ServingItemBody {
     }
   }
 
-  // One row of n elements of x (dtype or codec) at element offset off, as fp32 at dst, zero to np.
+  // One row of n elements of x (dtype or codec) at element offset off, as fp32 at dst, zero to np;
+  // of int8 and fp8 the codes alone (the row's scale multiplies its score and weight).
   static void stage_row(const Operand& x, const KVCodec& codec, i64 off, i64 hk, i64 n, i64 np, float* dst) {
-    if (codec.scales) {
+    if (codec.scales && codec.format == KVFormat::int8) {
+      const auto* c = static_cast<const std::int8_t*>(x.data) + off;
+      for (i64 i = 0; i < n; ++i) dst[i] = static_cast<float>(c[i]);
+    } else if (codec.scales && codec.format == KVFormat::fp8) {
+      const auto* c = static_cast<const std::uint8_t*>(x.data) + off;
+      for (i64 i = 0; i < n; ++i) dst[i] = e4m3_to_float(c[i]);
+    } else if (codec.scales) {
       decode_row(codec, x.data, off, hk, dst);
     } else {
       switch (x.dtype) {
@@ -479,7 +494,9 @@ struct ServingItemBody {
       const char* data = static_cast<const char*>(x.data);
       const auto* sc32 = static_cast<const float*>(codec.scales);
       // One loop per kind: the per-key work is a pointer and a scale, no branch.
-      switch (src) {
+      const Src kind =
+          src == Src::staged_codes ? (codec.format == KVFormat::int8 ? Src::i8 : Src::e4m3) : src;  // its scale
+      switch (kind) {
         case Src::i8:
           for (i64 i = ia; i < ib; ++i) rows[i] = {data + off[i], sc32[row_index(off[i])], zero16};
           break;
@@ -498,10 +515,10 @@ struct ServingItemBody {
           for (i64 i = ia; i < ib; ++i) rows[i] = {data + off[i] * esz, 0.0f, zero16};
         }
       }
-      if (place && src != Src::staged) return;
+      if (place && !is_staged(src)) return;
       for (i64 i = ia; i < ib; ++i) {
         float* dst = st + i * np;
-        if (src == Src::staged) {
+        if (is_staged(src)) {
           stage_row(x, codec, off[i], hk, n, np, dst);
         } else {
           with_src(src, [&]<Src S>() {
