@@ -84,14 +84,17 @@ inline std::int64_t off4(const TensorView& t, std::int64_t a, std::int64_t b, st
   return a * t.stride(0) + b * t.stride(1) + c * t.stride(2) + d * t.stride(3);
 }
 
-/// The ISA levels this machine can run (all of them are tested in turn).
+/// The ISA levels this machine can run, up to a QKV_ISA cap (all of them are tested in turn).
 inline std::vector<detail::Isa> test_isas(DType dt) {
   std::vector<detail::Isa> v;
   for (int l = 0; l <= static_cast<int>(detail::Isa::avx512amx); ++l) {
     const auto isa = static_cast<detail::Isa>(l);
     if (!detail::isa_compiled(isa) || !detail::isa_supported(isa)) continue;
     if (isa >= detail::Isa::avx512bf16 && dt != DType::bf16) continue;  // same code as avx512
-    v.push_back(isa);
+    detail::set_isa_cap(isa);
+    const bool reachable = detail::active_isa() == isa;  // not above a QKV_ISA cap
+    detail::reset_isa_cap();
+    if (reachable) v.push_back(isa);
   }
   return v;
 }
