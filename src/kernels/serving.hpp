@@ -1,6 +1,6 @@
 #pragma once
 // The serving kernel's work items: serving.cpp makes and orders them and merges their partials;
-// their body is engine/serving_item.hpp, compiled once per ISA level in
+// their body is engine/serving_item.hpp (on engine/serving_rows.hpp), compiled once per ISA level in
 // src/kernels/simd/<isa>/engine_<isa>.cpp.
 #include <algorithm>
 #include <cstdint>
