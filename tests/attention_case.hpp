@@ -231,6 +231,19 @@ inline Result naive(const Case& c) {
   return r;
 }
 
+// Q = K = 0 (all scores equal) with V column [1..Sk]: each output is the mean of the values of
+// the admitted keys, so the alignment of the diagonal can be read off directly.
+inline Case equal_scores_case(std::int64_t Sq, std::int64_t Sk) {
+  Case c;
+  c.Sq = Sq;
+  c.Sk = Sk;
+  c.D = 2;
+  c.Dv = 1;
+  c.resize();
+  for (std::int64_t j = 0; j < Sk; ++j) c.v[static_cast<std::size_t>(j)] = static_cast<double>(j + 1);
+  return c;
+}
+
 /// Fills q, k, v with N(0, sigma) values from a fixed seed.
 inline void randomize(Case& c, std::uint32_t seed, double sigma = 1.0) {
   c.resize();
