@@ -7,6 +7,7 @@
 
 #include "attend.hpp"
 #include "commands.hpp"
+#include "io/atomic_file.hpp"
 #include "options.hpp"
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
@@ -44,18 +45,12 @@ NpyArray read_packed(const std::string& flag, const std::string& path, const cha
   return a;
 }
 
-// Writes each file atomically; if a later one fails, the earlier ones are removed too.
+// The command's output files as one set: all are written, then all renamed into place, so a
+// failure leaves every path as it was (qkv::detail::AtomicFileSet).
 struct Writer {
-  std::vector<std::string> written;
-  void operator()(const std::string& path, const TensorView& t) {
-    try {
-      write_npy(path, t);
-      written.push_back(path);
-    } catch (...) {
-      std::error_code ec;
-      for (const auto& w : written) std::filesystem::remove(w, ec);
-      throw;
-    }
+  qkv::detail::AtomicFileSet files;
+  void operator()(const char* flag, const std::string& path, const TensorView& t) {
+    files.add(flag, path, [&](const std::filesystem::path& staging) { write_npy(staging, t); });
   }
 };
 
@@ -64,7 +59,7 @@ void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool wa
   if (o.cu_q.empty() || o.cu_k.empty())
     throw Error(std::string(o.cu_q.empty() ? "--cu-seqlens-q" : "--cu-seqlens-k") +
                 ": expected both --cu-seqlens-q and --cu-seqlens-k for packed inputs, got one");
-  if (o.layout != "bhsd")
+  if (o.layout_given)
     throw Error("--layout: expected none with --cu-seqlens-q (packed inputs are [total,H,D]), got " + o.layout);
   if (!o.mask.empty()) throw Error("--mask: expected none with --cu-seqlens-q (packed inputs take causal and window masks), got " + o.mask);
   if (!o.kv_lens.empty()) throw Error("--kv-lens: expected none with --cu-seqlens-q (the key lengths are --cu-seqlens-k), got " + o.kv_lens);
@@ -93,11 +88,12 @@ void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool wa
   if (want_grads)
     attention_varlen_backward(q, k, v, out, *lse_view, dout->view(), *dq, *dk, *dv, cq.view(), ck.view(), p);
   Writer write;
-  write(o.out, out.view());
-  if (!o.lse.empty()) write(o.lse, lse->view());
-  if (!o.grad_q.empty()) write(o.grad_q, dq->view());
-  if (!o.grad_k.empty()) write(o.grad_k, dk->view());
-  if (!o.grad_v.empty()) write(o.grad_v, dv->view());
+  write("--out", o.out, out.view());
+  if (!o.lse.empty()) write("--lse", o.lse, lse->view());
+  if (!o.grad_q.empty()) write("--grad-q", o.grad_q, dq->view());
+  if (!o.grad_k.empty()) write("--grad-k", o.grad_k, dk->view());
+  if (!o.grad_v.empty()) write("--grad-v", o.grad_v, dv->view());
+  write.files.commit();
 }
 
 void run_attend(const AttendOptions& o) {
@@ -180,12 +176,13 @@ void run_attend(const AttendOptions& o) {
   }
 
   Writer write;
-  write(o.out, out.view());
-  if (!o.lse.empty()) write(o.lse, lse->view());
-  if (probs) write(o.probs, probs->view());
-  if (!o.grad_q.empty()) write(o.grad_q, dq->view());
-  if (!o.grad_k.empty()) write(o.grad_k, dk->view());
-  if (!o.grad_v.empty()) write(o.grad_v, dv->view());
+  write("--out", o.out, out.view());
+  if (!o.lse.empty()) write("--lse", o.lse, lse->view());
+  if (probs) write("--probs", o.probs, probs->view());
+  if (!o.grad_q.empty()) write("--grad-q", o.grad_q, dq->view());
+  if (!o.grad_k.empty()) write("--grad-k", o.grad_k, dk->view());
+  if (!o.grad_v.empty()) write("--grad-v", o.grad_v, dv->view());
+  write.files.commit();
 }
 
 }  // namespace
@@ -199,7 +196,9 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--out", o->out, "output O, float32, in the input layout")->required();
   cmd->add_option("--lse", o->lse, "write softmax_lse, float32 [B,Hq,Sq] (natural log); packed: [Hq,total_q]");
   cmd->add_option("--probs", o->probs, "write the attention weights, float32 [B,Hq,Sq,Sk]");
-  cmd->add_option("--layout", o->layout, "axis order of q, k, v and out")->check(CLI::IsMember({"bhsd", "bshd"}));
+  cmd->add_option("--layout", o->layout, "axis order of q, k, v and out")
+      ->check(CLI::IsMember({"bhsd", "bshd"}))
+      ->each([o](const std::string&) { o->layout_given = true; });
   cmd->add_option("--scale", o->scale, "score scale (default 1/sqrt(D))");
   cmd->add_flag("--causal", o->causal, "causal mask: window (-1, 0)");
   cmd->add_option("--align", o->align, "diagonal alignment when Sq != Sk")

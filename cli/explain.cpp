@@ -12,9 +12,11 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
+#include "io/atomic_file.hpp"
 #include "options.hpp"
 #include "models.hpp"
 #include "qkv/error.hpp"
@@ -79,6 +81,31 @@ void check_index(const std::optional<std::int64_t>& x, std::int64_t n, const cha
                 "), got " + std::to_string(*x));
 }
 
+// The command's output files as one set: all are written, then all renamed into place, so a
+// failure leaves every path as it was (qkv::detail::AtomicFileSet); then "wrote" for each.
+class Outputs {
+ public:
+  template <class F>
+  void write(const char* flag, const std::filesystem::path& path, F&& f) {
+    files_.add(flag, path, std::forward<F>(f));
+  }
+  void npy_files(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& files) {
+    const std::filesystem::path dir(out_dir);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) throw Error("--out-dir: cannot create '" + out_dir + "': " + ec.message());
+    for (const auto& [name, view] : files)
+      write("--out-dir", dir / name, [&](const std::filesystem::path& to) { write_npy(to, view); });
+  }
+  void commit() { files_.commit(); }
+  void print() const {
+    for (const auto& w : files_.paths()) std::printf("wrote %s\n", w.string().c_str());
+  }
+
+ private:
+  qkv::detail::AtomicFileSet files_;
+};
+
 void run_scaling(const ExplainOptions& o) {
   explain::ScalingOptions so;
   so.d_k = o.d_k;
@@ -86,40 +113,13 @@ void run_scaling(const ExplainOptions& o) {
   so.samples = o.samples;
   so.seed = o.seed;
   const auto rows = explain::scaling_study(so);
-  for (const auto& p : o.plots) explain::write_scaling_plot(p, rows, so);
+  Outputs outputs;
+  for (const auto& p : o.plots)
+    outputs.write("--plot", p, [&](const std::filesystem::path& to) { explain::write_scaling_plot(to, rows, so); });
+  outputs.commit();
   std::fputs(explain::format_scaling(rows, so).c_str(), stdout);
-  for (const auto& p : o.plots) std::printf("wrote %s\n", p.c_str());
+  outputs.print();
 }
-
-// Writes output files one by one (each atomic); on a failure removes the ones already written,
-// so that an error leaves no partial set behind.
-class Outputs {
- public:
-  template <class F>
-  void write(const std::filesystem::path& path, F&& f) {
-    try {
-      f();
-      written_.push_back(path);
-    } catch (...) {
-      std::error_code ec;
-      for (const auto& w : written_) std::filesystem::remove(w, ec);
-      throw;
-    }
-  }
-  void npy_files(const std::string& out_dir, const std::vector<std::pair<std::string, TensorView>>& files) {
-    const std::filesystem::path dir(out_dir);
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) throw Error("--out-dir: cannot create '" + out_dir + "': " + ec.message());
-    for (const auto& [name, view] : files) write(dir / name, [&] { write_npy(dir / name, view); });
-  }
-  void print() const {
-    for (const auto& w : written_) std::printf("wrote %s\n", w.string().c_str());
-  }
-
- private:
-  std::vector<std::filesystem::path> written_;
-};
 
 void print_rows(const explain::Trace& t, const ExplainOptions& o, const std::vector<std::string>& labels) {
   for (std::int64_t b = 0; b < t.B; ++b) {
@@ -249,9 +249,11 @@ void run_model(const ExplainOptions& o) {
     ho.title = "layer " + std::to_string(*o.layer) + " attention weights: \"" + o.prompt + "\"";
     for (std::int64_t h = 0; h < t.Hq; ++h)
       ho.panel_titles.push_back("head " + std::to_string(h) + " (kv " + std::to_string(t.kv_head(h)) + ")");
-    outputs.write(path,
-                  [&] { explain::write_heatmap(path, explain::head_weights(t, 0), labels, labels, ho); });
+    outputs.write("--heatmap", path, [&](const std::filesystem::path& to) {
+      explain::write_heatmap(to, explain::head_weights(t, 0), labels, labels, ho);
+    });
   }
+  outputs.commit();
 
   std::printf("qkv explain: %s, layer %d of %d: Hq %" PRId64 ", Hkv %" PRId64 ", S %" PRId64
               " tokens (BOS included), D %" PRId64 "\n",
@@ -345,7 +347,7 @@ void run_explain(const ExplainOptions& o) {
   check_index(o.head, t.Hq, "--head", "Hq");
   check_index(o.batch, t.B, "--batch", "B");
 
-  // Files first (each atomic; on a failure the ones already written are removed), then the text.
+  // Files first (as one set: on a failure every path keeps what it held), then the text.
   Outputs outputs;
   if (!o.out_dir.empty()) {
     const TensorView out = bshd ? t.output_view().permute({0, 2, 1, 3}) : t.output_view();
@@ -369,9 +371,11 @@ void run_explain(const ExplainOptions& o) {
       w = TensorView(static_cast<double*>(w.data()) + *o.head * t.Sq * t.Sk, DType::f64, {1, t.Sq, t.Sk});
       ho.panel_titles = {"head " + std::to_string(*o.head)};
     }
-    outputs.write(path,
-                  [&] { explain::write_heatmap(path, w, explain::query_labels(t, labels, hb), labels, ho); });
+    outputs.write("--heatmap", path, [&](const std::filesystem::path& to) {
+      explain::write_heatmap(to, w, explain::query_labels(t, labels, hb), labels, ho);
+    });
   }
+  outputs.commit();
 
   std::printf("qkv explain: B %" PRId64 ", Hq %" PRId64 ", Hkv %" PRId64 ", Sq %" PRId64 ", Sk %" PRId64
               ", D %" PRId64 ", Dv %" PRId64 "%s\n",

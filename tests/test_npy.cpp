@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "io/atomic_file.hpp"
 #include "qkv/error.hpp"
 #include "qkv/npy.hpp"
 #include "qkv/tensor.hpp"
@@ -244,6 +245,49 @@ TEST(Npy, WriteIsAtomic) {
   EXPECT_EQ(read_npy(p).shape(), Shape{1});
   for (const auto& e : fs::directory_iterator(tmp().path()))
     EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+}
+
+// Several outputs as one set: a failure in a later one keeps the files already at every path
+// (and leaves no staging file); commit renames them all; a set dropped before commit writes none.
+TEST(Npy, AtomicFileSetKeepsEveryPathOnFailure) {
+  float x[2] = {1, 2};
+  const fs::path a = tmp() / "set_a.npy", b = tmp() / "set_b.npy";
+  write_npy(a, TensorView(x, DType::f32, {2}));
+  const auto listing = [] {
+    std::vector<std::string> v;
+    for (const auto& e : fs::directory_iterator(tmp().path())) v.push_back(e.path().filename().string());
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  const auto before = listing();
+  try {
+    detail::AtomicFileSet set;
+    set.add("--a", a, [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {1})); });
+    set.add("--b", tmp() / "no" / "b.npy", [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {1})); });
+    FAIL() << "the second file cannot be written";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.rfind("--b: ", 0), 0u) << m;
+    EXPECT_NE(m.find((tmp() / "no" / "b.npy").string()), std::string::npos) << m;  // the path, not the staging file
+  }
+  EXPECT_EQ(read_npy(a).shape(), Shape{2});  // kept
+  EXPECT_EQ(listing(), before);
+  {
+    detail::AtomicFileSet set;
+    set.add("--b", b, [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {1})); });
+  }  // not committed
+  EXPECT_FALSE(fs::exists(b));
+  EXPECT_EQ(listing(), before);
+  detail::AtomicFileSet set;
+  set.add("--a", a, [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {1})); });
+  set.add("--b", b, [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {2})); });
+  EXPECT_EQ(read_npy(a).shape(), Shape{2});  // nothing in place before commit
+  set.commit();
+  EXPECT_EQ(read_npy(a).shape(), Shape{1});
+  EXPECT_EQ(read_npy(b).shape(), Shape{2});
+  EXPECT_EQ(set.paths(), (std::vector<fs::path>{a, b}));
+  fs::remove(a);
+  fs::remove(b);
 }
 
 // --- versions, layouts and byte orders ---------------------------------------------------------

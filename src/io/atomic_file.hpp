@@ -4,7 +4,10 @@
 #include <filesystem>
 #include <functional>
 #include <ostream>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace qkv::detail {
 
@@ -16,5 +19,35 @@ namespace qkv::detail {
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
 /// The same for bytes already in memory.
 void write_file_atomically(const std::filesystem::path& path, std::string_view bytes);
+
+/// Several output files of one command as one: add() has `write` fill a staging file beside the
+/// path (`.<name>.part<pid><extension>`; any writer that takes a path, such as write_npy), and commit()
+/// renames every staging file over its path once all of them are complete. A failure in add()
+/// removes the staging files and leaves every path as it was (a file already there is kept), as
+/// does destroying the set before commit(); its qkv::Error reads "<what>: <path>: <reason>". Only
+/// a rename failing inside commit() (after every file is complete) can leave some paths
+/// replaced and others not.
+class AtomicFileSet {
+ public:
+  AtomicFileSet() = default;
+  AtomicFileSet(const AtomicFileSet&) = delete;
+  AtomicFileSet& operator=(const AtomicFileSet&) = delete;
+  ~AtomicFileSet();
+  /// `what` names the output in errors (a command-line flag, say). Not after commit().
+  void add(const std::string& what, const std::filesystem::path& path,
+           const std::function<void(const std::filesystem::path& staging)>& write);
+  void commit();
+  /// The paths added, in order.
+  std::vector<std::filesystem::path> paths() const;
+
+ private:
+  struct File {
+    std::string what;
+    std::filesystem::path staging, path;
+  };
+  void discard() noexcept;
+  std::vector<File> files_;
+  bool committed_ = false;
+};
 
 }  // namespace qkv::detail

@@ -432,8 +432,22 @@ def error_cases(tmp):
         check(f"error '{name}': no output file", not any(os.path.exists(x) for x in outs),
               str([x for x in outs if os.path.exists(x)]))
         after = set(os.listdir(tmp))
-        check(f"error '{name}': no stray file", not [f for f in after - before if ".tmp" in f], str(after - before))
+        check(f"error '{name}': no stray file", not [f for f in after - before if ".tmp" in f or ".part" in f],
+              str(after - before))
     check("unwritable dir not created", not os.path.exists(os.path.join(tmp, "no")))
+    # Files already at the output paths stay as they were when a later output cannot be written.
+    o, l, p = outputs("kept")
+    for x in (o, l):
+        with open(x, "wb") as f:
+            f.write(b"OLD")
+    before = set(os.listdir(tmp))
+    rc, out, err = run(base + ["--out", o, "--lse", l, "--probs", os.path.join(no_dir, "p.npy")])
+    check("existing outputs, unwritable --probs: exit 2", rc == 2, f"exit {rc}, stderr {err!r}")
+    check("existing outputs, unwritable --probs: the error names --probs", err.startswith("qkv: error: --probs:"), repr(err))
+    kept = [open(x, "rb").read() == b"OLD" for x in (o, l)]
+    check("existing outputs, unwritable --probs: --out and --lse files unchanged", all(kept), str(kept))
+    check("existing outputs, unwritable --probs: no stray file", set(os.listdir(tmp)) == before,
+          str(set(os.listdir(tmp)) ^ before))
 
 
 def demo_and_info():
