@@ -11,6 +11,7 @@ namespace qkv::cli {
 
 struct AttendOptions {
   std::string q, k, v, out, lse, probs, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
+  bool layout_given = false;  // --layout on the command line, even as the default bhsd
   std::string grad_out, grad_q, grad_k, grad_v, cu_q, cu_k;
   std::optional<double> scale;
   double softcap = 0.0;

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -52,6 +53,9 @@ void run_generate_batch(const GenerateOptions& o, const Llama2cModel& weights, c
   if (o.batch < 1) throw Error("--batch: expected a count >= 1, got " + std::to_string(o.batch));
   if (o.out_jsonl.empty()) throw Error("--out-jsonl: expected a path for the results of --prompts, got none");
   if (!o.prompt.empty()) throw Error("--prompt: expected none with --prompts (one prompt per line of the file), got one");
+  std::error_code ec;
+  if (std::filesystem::is_directory(o.prompts, ec))
+    throw Error("--prompts: expected a file of prompts, got the directory '" + o.prompts + "'");
   std::ifstream in(o.prompts, std::ios::binary);
   if (!in) throw Error("--prompts: cannot open '" + o.prompts + "' for reading");
   std::vector<std::string> lines;
@@ -75,7 +79,11 @@ void run_generate_batch(const GenerateOptions& o, const Llama2cModel& weights, c
     const nlohmann::json j = {{"prompt", lines[i]}, {"text", sequence_text(tok, seqs[i])}};
     jsonl += j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
   }
-  detail::write_file_atomically(o.out_jsonl, jsonl);
+  try {
+    detail::write_file_atomically(o.out_jsonl, jsonl);
+  } catch (const Error& e) {
+    throw Error(std::string("--out-jsonl: ") + e.what());
+  }
   std::fprintf(stderr, "%zu prompts, batch %d: %lld prompt + %lld generated tokens in %.3f ms (%.0f tok/s), %lld steps",
                prompts.size(), o.batch, static_cast<long long>(st.prompt_tokens),
                static_cast<long long>(st.generated_tokens), st.decode_seconds * 1e3,
@@ -169,7 +177,7 @@ void add_generate(CLI::App& app) {
                   "file of prompts, one per line: generated in batches (continuous batching), results to --out-jsonl");
   cmd->add_option("--batch", opts->batch, "with --prompts: sequences run at once")->capture_default_str();
   cmd->add_option("--out-jsonl", opts->out_jsonl,
-                  "with --prompts: one JSON line per prompt, in order, {\"prompt\", \"text\"}; text as --prompt prints it");
+                  "with --prompts: one JSON line per prompt, in order, {\"prompt\", \"text\"}; text as --prompt prints it (bytes not valid UTF-8 as U+FFFD)");
   cmd->add_option("--steps", opts->steps, "positions to run, the prompt's tokens included (<= max_seq_len)")
       ->capture_default_str();
   cmd->add_option("--temperature", opts->temperature, "sampling temperature, 0 = greedy")

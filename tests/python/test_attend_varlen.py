@@ -157,6 +157,7 @@ def main():
         error_case(tmp, "4-D packed", base + ["--q", q4, "--cu-seqlens-q", c, "--cu-seqlens-k", c], "--q: expected a packed 3-D array")
         error_case(tmp, "3-D without cu", base + ["--q", q], "--cu-seqlens-q and --cu-seqlens-k")
         error_case(tmp, "bshd", base + ["--q", q, "--cu-seqlens-q", c, "--cu-seqlens-k", c, "--layout", "bshd"], "--layout")
+        error_case(tmp, "bhsd", base + ["--q", q, "--cu-seqlens-q", c, "--cu-seqlens-k", c, "--layout", "bhsd"], "--layout")
         bad = os.path.join(tmp, "e_bad.npy")
         np.save(bad, np.array([0, 2, 4], np.int32))
         error_case(tmp, "sum", base + ["--q", q, "--cu-seqlens-q", bad, "--cu-seqlens-k", c], "cu_seqlens_q: expected the last entry == total_q (5), got 4")

@@ -75,8 +75,10 @@ for name, args, needle in [
     ("missing file", ["--prompts", os.path.join(TMP, "nope.txt")], "--prompts"),
     ("--out-jsonl without --prompts", ["--prompt", "Once"], "--out-jsonl"),
     ("too long for --steps", ["--prompts", pf, "--steps", "1"], "--prompts: line 1"),
+    ("a directory as --prompts", ["--prompts", TMP], "--prompts"),
+    ("unwritable --out-jsonl", ["--prompts", pf], "--out-jsonl: " + os.path.join(TMP, "no", "bad.jsonl")),
 ]:
-    out = os.path.join(TMP, "bad.jsonl")
+    out = os.path.join(TMP, "no" if name == "unwritable --out-jsonl" else "", "bad.jsonl")
     extra = [] if name in ("no --out-jsonl",) else ["--out-jsonl", out]
     rc, so, err = run(["generate", "--model", V0, "--tokenizer", TOK] + args + extra)
     check(f"error {name}: exit 2, one line naming the flag", rc == 2 and err.startswith("qkv: error:") and
