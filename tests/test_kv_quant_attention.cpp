@@ -223,7 +223,7 @@ TEST(KVQuantAttention, EveryCodeDecodesExactly) {
             for (i64 d = 0; d < D; ++d)
               static_cast<std::uint8_t*>(codes.data())[r * D + d] = static_cast<std::uint8_t>((r / per * D + d) % 256);
           sc = Tensor(kv_scales_dtype(f), kv_scales_shape(f, codes.shape()));  // int8: [rows, 1]; fp8: [1]
-          for (i64 i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = f == KVFormat::int8 ? key_scale(i / per) : scale;
+          for (i64 i = 0; i < sc.numel(); ++i) sc.data_as<float>()[i] = key_scale(i / per);
           return QuantizedKV{f, codes.view(), sc.view()};
         };
         Tensor dec_codes, dec_sc, pre_codes, pre_sc;
