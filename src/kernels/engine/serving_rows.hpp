@@ -136,6 +136,14 @@ struct ServingRows {
 #endif
   }
 
+  // Bytes of one element of a row read as S.
+  template <Src S>
+  static constexpr int elt_bytes() {
+    if constexpr (S == Src::bf16 || S == Src::f16) return 2;
+    else if constexpr (S == Src::i8 || S == Src::q8 || S == Src::e4m3) return 1;
+    else return 4;
+  }
+
   // W elements e .. e + W - 1 of a row as fp32.
   template <Src S>
   static V load_row(const RowRef& r, i64 e) {
@@ -155,8 +163,17 @@ struct ServingRows {
   }
 
   // s[r * SP + x] = q_r . k_x for the R rows and the W keys of a group (rows pitch Dp, nvec vectors).
+  // pf (or nullptr): a row per key whose same elements are requested into L2 as the first rows
+  // read key x, spread over the products as in group_pv.
   template <Src S>
-  static void group_scores(const float* qf, i64 Dp, i64 R, const RowRef* kp, i64 nvec, float* s) {
+  static void group_scores(const float* qf, i64 Dp, i64 R, const RowRef* kp, i64 nvec, float* s,
+                           const char* const* pf = nullptr) {
+    constexpr int kVecBytes = W * elt_bytes<S>();
+    // Whether vector c of a row starts a cache line (or a vector spans lines), for the first rows.
+    auto line_at = [&](i64 c) { return pf && (kVecBytes >= 64 || (c * kVecBytes) % 64 == 0); };
+    auto request = [&](int x, i64 c) {
+      for (int l = 0; l < (kVecBytes > 64 ? kVecBytes : 64); l += 64) __builtin_prefetch(pf[x] + c * kVecBytes + l, 0, 1);
+    };
     i64 r = 0;
     if constexpr (IsaOpsGroupedScores<Ops>) {
       // Four rows at once, W / 4 keys at a time: each key vector is read once for the four. The
@@ -174,6 +191,7 @@ struct ServingRows {
             for (int y = 0; y < 4; ++y) qv[y] = Ops::load(qf + (r + y) * Dp + c * W);
 #pragma GCC unroll 4
             for (int x = 0; x < KQ; ++x) {
+              if (r == 0 && line_at(c)) request(x0 + x, c);
               const V kv = load_row<S>(kp[x0 + x], c * W);
 #pragma GCC unroll 4
               for (int y = 0; y < 4; ++y) acc[y * KQ + x] = Ops::fma(qv[y], kv, acc[y * KQ + x]);
@@ -183,6 +201,7 @@ struct ServingRows {
         }
       }
     }
+    const i64 r_first = r;  // the first row of this loop requests the lines, unless the grouped rows did
     for (; r < R; ++r) {
       const float* q = qf + r * Dp;
       V acc[W];
@@ -190,8 +209,12 @@ struct ServingRows {
       for (int x = 0; x < W; ++x) acc[x] = Ops::zero();
       for (i64 c = 0; c < nvec; ++c) {
         const V qv = Ops::load(q + c * W);
+        const bool rq = r == 0 && r_first == 0 && line_at(c);
 #pragma GCC unroll 16
-        for (int x = 0; x < W; ++x) acc[x] = Ops::fma(qv, load_row<S>(kp[x], c * W), acc[x]);
+        for (int x = 0; x < W; ++x) {
+          if (rq) request(x, c);
+          acc[x] = Ops::fma(qv, load_row<S>(kp[x], c * W), acc[x]);
+        }
       }
       if constexpr (IsaOpsGroupedScores<Ops>) {
         Ops::store(s + r * SP, Ops::hsum_w(acc));
@@ -247,14 +270,21 @@ struct ServingRows {
   // For NR rows with the same keys: o_y (NV vectors at o[y]) += p_y,j v_j for keys j = 0 .. n - 1
   // of a group, ascending (p_y at p[y]); each value vector is read once for the NR rows, and each
   // row sees the fused multiply-adds of the one-row loop.
+  // pf (or nullptr): a row per key whose same elements are requested into L2 as key j is used, so
+  // that a stream of values (decode) spreads its requests over the products: requested all at
+  // once, they wait for the core's few line fill buffers and stall it.
   template <Src S, int NR, int NV>
-  static void group_pv(const float* const* p, i64 n, const RowRef* vrow, i64 e0, float* const* o) {
+  static void group_pv(const float* const* p, i64 n, const RowRef* vrow, i64 e0, float* const* o,
+                       const char* const* pf = nullptr) {
+    constexpr int kBytes = NV * W * elt_bytes<S>();
     V acc[NR][NV];
 #pragma GCC unroll 4
     for (int y = 0; y < NR; ++y)
 #pragma GCC unroll 8
       for (int v = 0; v < NV; ++v) acc[y][v] = Ops::load(o[y] + e0 + v * W);
     for (i64 j = 0; j < n; ++j) {
+      if (pf)
+        for (int l = 0; l < kBytes; l += 64) __builtin_prefetch(pf[j] + e0 * elt_bytes<S>() + l, 0, 1);
       V pj[NR];
 #pragma GCC unroll 4
       for (int y = 0; y < NR; ++y) {
@@ -280,9 +310,10 @@ struct ServingRows {
   // the same fused multiply-adds, so the bits are group_pv's.
   static constexpr bool kSplitPv = requires(const std::uint16_t* h, V& x) { Ops::load_bf16_split(h, x, x); };
 
-  // As group_pv for NR rows (up to 8), bf16 values, one block of 2 W values at e0.
+  // As group_pv for NR rows (up to 8), bf16 values, one block of 2 W values at e0 (pf as there).
   template <int NR>
-  static void group_pv_split(const float* const* p, i64 n, const RowRef* vrow, i64 e0, float* const* o)
+  static void group_pv_split(const float* const* p, i64 n, const RowRef* vrow, i64 e0, float* const* o,
+                             const char* const* pf = nullptr)
     requires(kSplitPv)
   {
     V acc[NR][2];
@@ -293,6 +324,8 @@ struct ServingRows {
     }
     for (i64 j = 0; j < n; ++j) {
       V ev, od;
+      if (pf)
+        for (int l = 0; l < 4 * W; l += 64) __builtin_prefetch(pf[j] + e0 * 2 + l, 0, 1);
       Ops::load_bf16_split(static_cast<const std::uint16_t*>(vrow[j].p) + e0, ev, od);
 #pragma GCC unroll 8
       for (int y = 0; y < NR; ++y) {
@@ -310,12 +343,13 @@ struct ServingRows {
 
   // NR rows (1, 2 or 4) over nvec vectors of Dv, kPvVecs / NR vectors at a time in registers.
   template <Src S, int NR>
-  static void pv_rows(const float* const* p, i64 n, const RowRef* vrow, i64 nvec, float* const* o) {
+  static void pv_rows(const float* const* p, i64 n, const RowRef* vrow, i64 nvec, float* const* o,
+                      const char* const* pf = nullptr) {
     constexpr int kNV = kPvVecs * 2 / NR > kPvVecs ? kPvVecs : kPvVecs * 2 / NR;
     for (i64 c = 0; c < nvec; c += kNV) {
       const int nv = static_cast<int>(std::min<i64>(kNV, nvec - c));
       with_int<1, kNV>(nv, [&]<int NV>() __attribute__((always_inline)) {
-        group_pv<S, NR, NV>(p, n, vrow, c * W, o);
+        group_pv<S, NR, NV>(p, n, vrow, c * W, o, pf);
       });
     }
   }
@@ -358,6 +392,7 @@ struct ServingRows {
       if (vp.paged) return paged_whole ? kd + vp.key_off(k, b, hk, j0) : nullptr;
       return j0 + 16 <= lk ? kd + vp.key_off(k, b, hk, j0) : nullptr;
     };
+    Ops::tile_config();  // once for the item's products (nothing between them changes it)
     for (i64 j0 = g0; j0 < e;) {
       // A run of up to kTileKeys keys in whole groups each read in place (a packed cache; a paged
       // one with 16 | block_size, each group inside one block), or one group copied.
@@ -380,7 +415,7 @@ struct ServingRows {
           ks = D;
         }
         Ops::qk_bf16_groups(qp + x * (D / 2) * sp, static_cast<int>(sp / 16), kg, ks, D, static_cast<int>(n / 16), km,
-                            static_cast<int>(sp));
+                            static_cast<int>(sp), true);
         for (i64 g = 0; g < n; g += 16)
           for (i64 r0 = 0; r0 < Rh; r0 += 16) {
             const float* rows[16];

@@ -86,8 +86,8 @@ struct Ops : OpsAvx512 {
   // queries, in tile products of two groups: group g's scores at rows 16 g of s.
   template <class Group>
   static void qk_groups(const std::uint32_t* qp, int nqv, Group&& group, std::int64_t ks, std::int64_t D, int ng,
-                        float* s, int ssp) {
-    _tile_loadconfig(&kTileConfig);
+                        float* s, int ssp, bool configured = false) {
+    if (!configured) _tile_loadconfig(&kTileConfig);
     const int sp = nqv * 16;
     for (int g = 0; g < ng; g += 2) {
       const bool two = ng - g >= 2;
@@ -116,11 +116,14 @@ struct Ops : OpsAvx512 {
 
   // As qk_bf16 for ng groups of 16 keys, group g at kg[g] (its rows ks apart; D a multiple of
   // 32), scores of group g at rows 16 g of s: keys of a paged cache, one block per group, in tile
-  // products of 32 keys as in a packed cache.
+  // products of 32 keys as in a packed cache. `configured`: the caller loaded the configuration
+  // (tile_config) on this thread and ran nothing since that could change it, so that a run of
+  // products loads it once (loading it costs about a tenth of a memory-bound stream of products).
   static void qk_bf16_groups(const std::uint32_t* qp, int nqv, const std::uint16_t* const* kg, std::int64_t ks,
-                             std::int64_t D, int ng, float* s, int ssp) {
-    qk_groups(qp, nqv, [&](int g) { return kg[g]; }, ks, D, ng, s, ssp);
+                             std::int64_t D, int ng, float* s, int ssp, bool configured = false) {
+    qk_groups(qp, nqv, [&](int g) { return kg[g]; }, ks, D, ng, s, ssp, configured);
   }
+  static void tile_config() { _tile_loadconfig(&kTileConfig); }
 
   // C tiles 0..NC-1 += A (the nkb blocks of 16 pairs in a) times NC x 16 columns of vp. C starts
   // as 16 rows of `c` (pitch cs floats) when `load`, else as 0, and is stored back there.
