@@ -80,6 +80,18 @@ TEST(Varlen, MixedBatchesAgainstReference) {
 }
 
 // Every option on one small batch (odd sizes, Dv != D, a sequence of one key).
+// GQA groups of more than kServingRows (32) query heads per KV head: a decode item then has G
+// rows per head, more than the tile path's fixed arrays once held (bf16, D a multiple of 32).
+TEST(Varlen, LargeGqaGroups) {
+  const Seqs seqs = {{1, 300}, {1, 1100}, {3, 40}};
+  std::uint64_t seed = 900;
+  for (const auto& [hq, hkv] : {std::pair<i64, i64>{64, 1}, {48, 1}, {66, 2}}) {
+    const Packed pk = make_packed(seqs, hq, hkv, 64, 64, DType::bf16, ++seed);
+    AttentionParams c; c.causal = true;
+    check_case(pk, c, "Hq" + std::to_string(hq) + " Hkv" + std::to_string(hkv) + " bf16");
+  }
+}
+
 TEST(Varlen, EveryOptionSmall) {
   const Seqs seqs = {{7, 19}, {1, 1}, {17, 3}, {0, 9}, {33, 33}};
   std::uint64_t seed = 100;

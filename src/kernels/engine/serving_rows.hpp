@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
@@ -381,9 +382,9 @@ struct ServingRows {
     auto* qp = reinterpret_cast<std::uint32_t*>(ws);
     float* km = reinterpret_cast<float*>(ws + (nh * (D / 2) * sp * 4 + 63) / 64 * 64);
     for (i64 x = 0; x < nh; ++x) {
-      const char* src[kServingRows];
+      std::vector<const char*> src(static_cast<std::size_t>(Rh));  // Rh = G rows can exceed kServingRows
       for (i64 r = 0; r < Rh; ++r) src[r] = reinterpret_cast<const char*>(qrow[x * Rh + r]);
-      Microkernels<Ops>::pack_pairs(src, static_cast<int>(Rh), D, qp + x * (D / 2) * sp, static_cast<int>(sp));
+      Microkernels<Ops>::pack_pairs(src.data(), static_cast<int>(Rh), D, qp + x * (D / 2) * sp, static_cast<int>(sp));
     }
     const auto* kd = static_cast<const std::uint16_t*>(k.data);
     const bool paged_whole = vp.paged && vp.block_size % 16 == 0;
