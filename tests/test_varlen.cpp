@@ -79,7 +79,6 @@ TEST(Varlen, MixedBatchesAgainstReference) {
     }
 }
 
-// Every option on one small batch (odd sizes, Dv != D, a sequence of one key).
 // GQA groups of more than kServingRows (32) query heads per KV head: a decode item then has G
 // rows per head, more than the tile path's fixed arrays once held (bf16, D a multiple of 32).
 TEST(Varlen, LargeGqaGroups) {
@@ -92,6 +91,7 @@ TEST(Varlen, LargeGqaGroups) {
   }
 }
 
+// Every option on one small batch (odd sizes, Dv != D, a sequence of one key).
 TEST(Varlen, EveryOptionSmall) {
   const Seqs seqs = {{7, 19}, {1, 1}, {17, 3}, {0, 9}, {33, 33}};
   std::uint64_t seed = 100;

@@ -170,7 +170,7 @@ struct ServingItemBody : ServingRows<Ops> {
     // head, 2.8 -> 1.6 ms). Prefill computes long enough per byte not to need it. Each request
     // holds one of the core's few line fill buffers until its line arrives, so the products
     // (fp32 scores, P V) issue them a line at a time as they read the rows kAhead keys before
-    // (rows_ahead); the tile products take a group's requests at once (prefetch_ahead).
+    // (spread_ahead); the tile products take a group's requests at once (prefetch_ahead).
     constexpr i64 kAhead = 32;
     const bool stream = in_place;
     auto prefetch = [&](const Operand& x, const KVCodec& codec, i64 n, i64 hk, i64 j0) {
@@ -190,24 +190,37 @@ struct ServingItemBody : ServingRows<Ops> {
         for (i64 l = 0; l < bytes; l += 64) __builtin_prefetch(row + l, 0, 1);
       }
     };
-    auto prefetch_ahead = [&](const Operand& x, const KVCodec& codec, i64 n, i64 hk, i64 j0) {
-      if (!stream) return;
+    // The first group also requests the keys up to kAhead, at once.
+    auto warm_up = [&](const Operand& x, const KVCodec& codec, i64 n, i64 hk, i64 j0) {
       if (j0 == g0)
         for (i64 f = W; f < kAhead; f += W) prefetch(x, codec, n, hk, j0 + f);
+    };
+    auto prefetch_ahead = [&](const Operand& x, const KVCodec& codec, i64 n, i64 hk, i64 j0) {
+      if (!stream) return;
+      warm_up(x, codec, n, hk, j0);
       prefetch(x, codec, n, hk, j0 + kAhead);
     };
-    // The rows whose requests the products spread (group_scores, group_pv): out[i] is the row of
-    // key j0 + i, or a harmless address where that key is outside [a, e). Measured (`qkv bench
-    // --serving`, bf16, Hq 32, Hkv 4): the value pass 1.5x faster than with a group's requests
-    // issued at once.
-    auto rows_ahead = [&](const Operand& x, const KVCodec& codec, i64 hk, i64 j0, const char** out) {
-      const i64 ja = std::max(j0, a), jb = std::min(j0 + W, e);
+    // The rows whose requests the products spread (group_scores, group_pv), for a source read in
+    // place as it is stored (staged rows take prefetch_ahead: the products step over their fp32
+    // copies): out[i] is the row of key j0 + kAhead + i, or the zero row where that key is outside
+    // [a, e). Returns out, or nullptr where nothing is spread. Measured (`qkv bench --serving`,
+    // bf16, Hq 32, Hkv 4): packed decode 76-82 -> 62 ms against a group's requests at once.
+    auto spread_ahead = [&](const Operand& x, const KVCodec& codec, Src src, i64 n, i64 hk, i64 j0,
+                            const char** out) -> const char** {
+      if (!stream) return nullptr;
+      if (is_staged(src)) {
+        prefetch_ahead(x, codec, n, hk, j0);
+        return nullptr;
+      }
+      warm_up(x, codec, n, hk, j0);
+      const i64 j1 = j0 + kAhead, ja = std::max(j1, a), jb = std::min(j1 + W, e);
       const i64 esz = codec.scales ? 1 : static_cast<i64>(dtype_size(x.dtype));
       i64 ro[W];
       if (ja < jb) row_offsets(vp, x, b, hk, ja, jb - ja, ro);
       for (i64 i = 0; i < W; ++i)
-        out[i] = j0 + i >= ja && j0 + i < jb ? static_cast<const char*>(x.data) + ro[j0 + i - ja] * esz
+        out[i] = j1 + i >= ja && j1 + i < jb ? static_cast<const char*>(x.data) + ro[j1 + i - ja] * esz
                                              : reinterpret_cast<const char*>(zero);
+      return out;
     };
 
     // Scores of every row against every key of [g0, e), a group of W keys at a time, the KV
@@ -227,16 +240,12 @@ struct ServingItemBody : ServingRows<Ops> {
               continue;
             }
           }
-          const char* ahead[W];  // the keys' requests spread over the products, as the values'
-          if (stream) {
-            if (j0 == g0)
-              for (i64 f = W; f < kAhead; f += W) prefetch(p.k, vp.kc, D, it.hk + x, j0 + f);
-            rows_ahead(p.k, vp.kc, it.hk + x, j0 + kAhead, ahead);
-          }
+          const char* ahead[W];
+          const char* const* pfk = spread_ahead(p.k, vp.kc, ks, D, it.hk + x, j0, ahead);
           group_rows(p.k, vp.kc, ks, D, Dp, kst, it.hk + x, j0, in_place);
           const float* qh = qf + x * Rh * Dp;
           with_src(kread, [&]<Src S>() {
-            Base::template group_scores<S>(qh, Dp, Rh, rows, nq, sg, stream ? ahead : nullptr);
+            Base::template group_scores<S>(qh, Dp, Rh, rows, nq, sg, pfk);
             if constexpr (Base::row_scaled(S)) {  // (Base::: GCC does not see the using-declarations here)
               alignas(64) float sc[Base::W];
               for (int i = 0; i < Base::W; ++i) sc[i] = rows[i].sc;
@@ -291,11 +300,7 @@ struct ServingItemBody : ServingRows<Ops> {
     for (i64 j0 = g0; j0 < e; j0 += W)
       for (i64 x = 0; x < it.nh; ++x) {
         const char* ahead[W];
-        if (stream) {
-          if (j0 == g0)
-            for (i64 f = W; f < kAhead; f += W) prefetch(p.v, vp.vc, Dv, it.hk + x, j0 + f);
-          rows_ahead(p.v, vp.vc, it.hk + x, j0 + kAhead, ahead);
-        }
+        const char* const* pfv = spread_ahead(p.v, vp.vc, vs, Dv, it.hk + x, j0, ahead);
         group_rows(p.v, vp.vc, vs, Dv, Dvp, vst, it.hk + x, j0, in_place);
         // Rows with the same keys in this group (a token's query heads) share each value read.
         for (i64 r = x * Rh; r < (x + 1) * Rh;) {
@@ -311,7 +316,7 @@ struct ServingItemBody : ServingRows<Ops> {
               o[y] = orow[r + y];
             }
             const RowRef* vr = rows + (ja - j0);
-            const char* const* pfa = stream ? ahead + (ja - j0) : nullptr;
+            const char* const* pfa = pfv ? pfv + (ja - j0) : nullptr;
             if constexpr (kSplitPv) {
               if (split) {
                 for (i64 c = 0; c < nv; c += 2) {

@@ -202,15 +202,14 @@ struct ServingRows {
         }
       }
     }
-    const i64 r_first = r;  // the first row of this loop requests the lines, unless the grouped rows did
-    for (; r < R; ++r) {
+    for (; r < R; ++r) {  // (row 0 here: no grouped rows requested the lines)
       const float* q = qf + r * Dp;
       V acc[W];
 #pragma GCC unroll 16
       for (int x = 0; x < W; ++x) acc[x] = Ops::zero();
       for (i64 c = 0; c < nvec; ++c) {
         const V qv = Ops::load(q + c * W);
-        const bool rq = r == 0 && r_first == 0 && line_at(c);
+        const bool rq = r == 0 && line_at(c);
 #pragma GCC unroll 16
         for (int x = 0; x < W; ++x) {
           if (rq) request(x, c);
@@ -381,8 +380,8 @@ struct ServingRows {
     const i64 D = p.D, b = it.b, nh = it.nh, sp = (Rh + 15) / 16 * 16, lk = vp.seq_k[b];
     auto* qp = reinterpret_cast<std::uint32_t*>(ws);
     float* km = reinterpret_cast<float*>(ws + (nh * (D / 2) * sp * 4 + 63) / 64 * 64);
+    std::vector<const char*> src(static_cast<std::size_t>(Rh));  // Rh = G rows can exceed kServingRows
     for (i64 x = 0; x < nh; ++x) {
-      std::vector<const char*> src(static_cast<std::size_t>(Rh));  // Rh = G rows can exceed kServingRows
       for (i64 r = 0; r < Rh; ++r) src[r] = reinterpret_cast<const char*>(qrow[x * Rh + r]);
       Microkernels<Ops>::pack_pairs(src.data(), static_cast<int>(Rh), D, qp + x * (D / 2) * sp, static_cast<int>(sp));
     }

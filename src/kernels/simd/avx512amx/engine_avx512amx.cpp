@@ -123,6 +123,7 @@ struct Ops : OpsAvx512 {
                              std::int64_t D, int ng, float* s, int ssp, bool configured = false) {
     qk_groups(qp, nqv, [&](int g) { return kg[g]; }, ks, D, ng, s, ssp, configured);
   }
+  // Loads the products' tile configuration on this thread (see `configured` above).
   static void tile_config() { _tile_loadconfig(&kTileConfig); }
 
   // C tiles 0..NC-1 += A (the nkb blocks of 16 pairs in a) times NC x 16 columns of vp. C starts
