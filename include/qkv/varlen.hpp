@@ -31,8 +31,10 @@
 /// Batch invariance (the serving kernel): the bits of a query row's output and softmax_lse
 /// depend only on its query vector, its admissible keys and values (their values, not where
 /// they are stored) and the options. Not on the other sequences of the batch or their order,
-/// the number of threads, whether the keys are packed or paged (any block table), whether the
-/// row's sequence is computed as one prefill or in chunks of any size, nor the ISA level.
+/// the number of threads, whether the keys are packed or paged (any block table), nor whether the
+/// row's sequence is computed as one prefill or in chunks of any size. The bits are fixed per ISA
+/// level (QKV_ISA): the levels' vector widths, bf16 dot products and AMX tiles sum in different
+/// orders, so a deployment that needs the same bits on every machine pins one level.
 /// Keys are cut in splits fixed at absolute key positions [c * 1024, (c + 1) * 1024); each split
 /// leaves an unnormalised partial (fp32), merged in split order in float64 by log-sum-exp
 /// (flash-decoding, Dao, Haziza, Massa, Sizov 2023). docs/serving.md says more.
