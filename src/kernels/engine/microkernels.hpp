@@ -58,25 +58,29 @@ struct Microkernels {
   }
 
   // ---- words moved unchanged -----------------------------------------------------------
+  template <class T>
+  static const char* bytes(const T* row) { return reinterpret_cast<const char*>(row); }
+
   // dst[c * sp + r] = 32-bit word c of row r (an fp32 value, or a bf16 pair) for c < cols and
   // r < sp, rows r >= n zero: W x W blocks transposed in registers (Ops::transpose, shuffles only:
   // the bits pass unchanged), the last cols % W words one by one. Element by element, with a
   // store to a new cache line each time, packing Q was a visible part of short calls
-  // (docs/performance.md).
-  static void transpose_words(const char* const* src, int n, i64 cols, float* dst, int sp) {
+  // (docs/performance.md). T: the rows' element type (only their bytes are read).
+  template <class T>
+  static void transpose_words(const T* const* src, int n, i64 cols, float* dst, int sp) {
     alignas(64) static constexpr float kZeros[W] = {};
     const i64 cw = cols / W * W;
     for (int r0 = 0; r0 < sp; r0 += W) {
       const float* rows[W];
       for (i64 c = 0; c < cw; c += W) {
         for (int x = 0; x < W; ++x)
-          rows[x] = r0 + x < n ? reinterpret_cast<const float*>(src[r0 + x] + 4 * c) : kZeros;
+          rows[x] = r0 + x < n ? reinterpret_cast<const float*>(bytes(src[r0 + x]) + 4 * c) : kZeros;
         Ops::transpose(rows, dst + c * sp + r0, sp);
       }
       for (i64 c = cw; c < cols; ++c)
         for (int x = 0; x < W; ++x) {
           float* d = dst + c * sp + r0 + x;
-          if (r0 + x < n) std::memcpy(d, src[r0 + x] + 4 * c, 4);
+          if (r0 + x < n) std::memcpy(d, bytes(src[r0 + x]) + 4 * c, 4);
           else *d = 0.0f;
         }
     }
@@ -86,13 +90,14 @@ struct Microkernels {
   // (low half first) for n rows of X bf16 values, rows r >= n and the missing partner of an odd X
   // zero. A pair is one little-endian 32-bit word of the row as stored, so whole pairs are the
   // rows' words transposed.
-  static void pack_pairs(const char* const* src, int n, i64 X, std::uint32_t* dst, int sp) {
+  template <class T>
+  static void pack_pairs(const T* const* src, int n, i64 X, std::uint32_t* dst, int sp) {
     const i64 X2 = X / 2;  // whole pairs
     transpose_words(src, n, X2, reinterpret_cast<float*>(dst), sp);
     if (X & 1)
       for (int r = 0; r < sp; ++r) {
         std::uint16_t last = 0;
-        if (r < n) std::memcpy(&last, src[r] + 2 * (X - 1), 2);
+        if (r < n) std::memcpy(&last, bytes(src[r]) + 2 * (X - 1), 2);
         dst[X2 * sp + r] = last;
       }
   }

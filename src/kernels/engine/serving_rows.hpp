@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
@@ -380,11 +379,8 @@ struct ServingRows {
     const i64 D = p.D, b = it.b, nh = it.nh, sp = (Rh + 15) / 16 * 16, lk = vp.seq_k[b];
     auto* qp = reinterpret_cast<std::uint32_t*>(ws);
     float* km = reinterpret_cast<float*>(ws + (nh * (D / 2) * sp * 4 + 63) / 64 * 64);
-    std::vector<const char*> src(static_cast<std::size_t>(Rh));  // Rh = G rows can exceed kServingRows
-    for (i64 x = 0; x < nh; ++x) {
-      for (i64 r = 0; r < Rh; ++r) src[r] = reinterpret_cast<const char*>(qrow[x * Rh + r]);
-      Microkernels<Ops>::pack_pairs(src.data(), static_cast<int>(Rh), D, qp + x * (D / 2) * sp, static_cast<int>(sp));
-    }
+    for (i64 x = 0; x < nh; ++x)  // (Rh = G rows can exceed kServingRows: no fixed array of them)
+      Microkernels<Ops>::pack_pairs(qrow + x * Rh, static_cast<int>(Rh), D, qp + x * (D / 2) * sp, static_cast<int>(sp));
     const auto* kd = static_cast<const std::uint16_t*>(k.data);
     const bool paged_whole = vp.paged && vp.block_size % 16 == 0;
     // Where group j0 of head hk lies in memory (nullptr: not one stride apart).
