@@ -1,12 +1,12 @@
 #!/usr/bin/python3
-"""Lists every error qkv's library (src/), command line (cli/) and
+"""Lists every error qkv's library (src/), command line (cli/, bench/command/) and
 Python binding (python/src/) can raise.
 
 Each throw site (`throw Error(...)`, a reader's `fail(name, ...)`, `throw std::...(...)`) gives one
 row: the source file and line, the condition that raises it (the guarding `if`, as code), and the
 message pattern (the string literals of the message, with `…` for the parts computed at run time).
 `scripts/errors_table.py` prints the Markdown table that docs/errors.md embeds;
-tests/python/test_errors_doc.py checks that docs/errors.md names every message.
+tests/cli/test_errors_doc.py checks that docs/errors.md names every message.
 """
 import os
 import re
@@ -59,7 +59,7 @@ def condition(lines, lineno, col):
 
 def sites():
     rows = []
-    for top in ("src", "cli", "python/src"):
+    for top in ("src", "cli", "bench/command", "python/src"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
             for f in sorted(files):
                 if not f.endswith((".cpp", ".hpp")):

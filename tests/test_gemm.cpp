@@ -1,4 +1,4 @@
-// qkv::detail::sgemm (src/layers/gemm.hpp): the matrix product of the layers, the models and the
+// qkv::detail::sgemm (src/blas/gemm.hpp): the matrix product of the layers, the models and the
 // training, whose bits must not depend on the thread count.
 #include <gtest/gtest.h>
 #include <omp.h>
@@ -10,7 +10,7 @@
 #include <random>
 #include <vector>
 
-#include "layers/gemm.hpp"
+#include "blas/gemm.hpp"
 
 namespace {
 

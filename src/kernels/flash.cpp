@@ -6,7 +6,7 @@
 // one normalisation per row at the end, softmax_lse = m + log(l). The score matrix is never
 // materialised beyond one kBq x kBk tile per thread.
 //
-// Tiling and threading: see src/kernels/engine/ (block.hpp, drivers.hpp; per-ISA traits in
+// Tiling and threading: see src/kernels/engine/ (block.hpp, forward_schedule.hpp; per-ISA traits in
 // src/kernels/simd/<isa>/): OpenMP over (batch, head, group of up to 4 query blocks), dynamic
 // schedule, head-major, the query blocks with the most admissible keys first (causal balance);
 // the blocks of a group go through the same K/V tiles in lockstep (one fetch from L3/DRAM per

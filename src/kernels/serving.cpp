@@ -7,7 +7,7 @@
 // l = sum_j p_j and the unnormalised O = sum_j p_j v_j, in fp32, keys in ascending order; the
 // partials are merged in split order in float64 by log-sum-exp,
 //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
-// and rounded once to the output (as the decode kernel's merge, engine/drivers.hpp).
+// and rounded once to the output (as the decode kernel's merge, engine/forward_schedule.hpp).
 //
 // Batch invariance: every number a row computes depends only on its query vector, its key range
 // (causal, window, from its position) and the keys' values (engine/serving_item.hpp says how),

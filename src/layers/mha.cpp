@@ -1,5 +1,5 @@
 // Multi-head attention layer (Vaswani et al. 2017, sec. 3.2.2) with GQA, RoPE and a KV cache.
-// Projections are detail::sgemm calls (layers/gemm.hpp) on [B*S, features] row blocks; the heads are strided views
+// Projections are detail::sgemm calls (blas/gemm.hpp) on [B*S, features] row blocks; the heads are strided views
 // of the projection buffers (BSHD storage seen as BHSD), so nothing is transposed or copied
 // between the GEMMs and the attention call.
 #include "qkv/mha.hpp"
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/gemm.hpp"
+#include "blas/gemm.hpp"
 #include "layers/mha_common.hpp"
 #include "qkv/error.hpp"
 #include "tensor/convert.hpp"

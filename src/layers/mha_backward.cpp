@@ -1,7 +1,7 @@
 // Backward of the multi-head attention layer: the derivative of each step of the forward, last
 // to first (mha.hpp). The forward's q, k, v (projection + RoPE), O and softmax_lse are recomputed
 // with the same code (mha_common.hpp) and options; the attention's dQ, dK, dV come from
-// qkv::attention_backward; every other step is a detail::sgemm (layers/gemm.hpp) on [B*S, features] row blocks.
+// qkv::attention_backward; every other step is a detail::sgemm (blas/gemm.hpp) on [B*S, features] row blocks.
 
 #include <algorithm>
 #include <cstring>
@@ -12,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#include "layers/gemm.hpp"
+#include "blas/gemm.hpp"
 #include "layers/mha_common.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/gemm.hpp"
+#include "blas/gemm.hpp"
 #include "qkv/error.hpp"
 #include "qkv/llama.hpp"
 

@@ -1,5 +1,5 @@
 // The model's forward and backward in float32 (train.hpp gives the math). Activations are
-// [B*T, features] row-major matrices; every matrix product is one detail::sgemm (layers/gemm.hpp), the attention
+// [B*T, features] row-major matrices; every matrix product is one detail::sgemm (blas/gemm.hpp), the attention
 // layer is qkv::MultiHeadAttention (its backward recomputes q, k, v itself), and every other step
 // is a plain loop whose reductions run in double, serially, so results never depend on threads.
 
@@ -10,7 +10,7 @@
 #include <limits>
 #include <string>
 
-#include "layers/gemm.hpp"
+#include "blas/gemm.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 #include "qkv/train.hpp"

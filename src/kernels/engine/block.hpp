@@ -4,7 +4,7 @@
 // FlashAttention-2 (Dao 2023, Algorithm 1) for one Q_i: start m_i = -inf, l_i = 0, O_i = 0
 // (begin), then for each key tile S = Q_i K_j^T, the running max and sum, O_i rescaled plus P V
 // (step), and at the end O_i / l_i and L_i = m_i + log(l_i) (finish). flash runs whole blocks;
-// decode runs one chunk of keys per call and merges the chunks (drivers.hpp).
+// decode runs one chunk of keys per call and merges the chunks (forward_schedule.hpp).
 //
 // Online softmax per tile: m' = max(m, max_j s_j), alpha = exp(m - m'), p_j = exp(s_j - m'),
 // l = alpha l + sum_j p_j, O = alpha O + P V; after the last tile O /= l (the division of each

@@ -4,7 +4,7 @@
 // query heads x Sq, at most kFastRows), with the rows as plain arrays instead of the padded
 // kBq-row block of BlockProcessor::process; the same FlashAttention-2 inner loop (Dao 2023,
 // Algorithm 1: scores, running max and sum, rescaled accumulator), leaving O, m and l of the
-// chunk for the log-sum-exp merge (drivers.hpp):
+// chunk for the log-sum-exp merge (forward_schedule.hpp):
 //   scores: D-vectorised FMAs into one accumulator per (row, key). Groups of kQkRows = 4 rows
 //           take W / 4 keys at a time (4 on AVX-512), and the W accumulators are reduced
 //           together by one transpose-and-add tree that pairs the lanes as Ops::hsum does, so
@@ -25,7 +25,7 @@
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
-#include "kernels/engine/with_int.hpp"
+#include "kernels/engine/size_switch.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {

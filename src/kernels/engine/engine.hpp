@@ -12,12 +12,12 @@
 // exp, ...), the contract that the concept IsaOps (isa_ops.hpp) states.
 //
 // The parts, class templates over Ops, each using only parts listed above it:
-//   isa_ops.hpp       the concept IsaOps; with_int.hpp: a run-time count to a template argument
+//   isa_ops.hpp       the concept IsaOps; size_switch.hpp: a run-time count to a template argument
 //   workspace.hpp     the per-thread buffers of a block (the "on-chip" memory), Row, Prefetch
 //   microkernels.hpp  S = Q K^T and O = alpha O + P V on one tile, fp32 conversions
 //   block.hpp         one query block against its key tiles: online softmax, masks, the end
 //   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap)
-//   drivers.hpp       flash and decode over the whole problem, threads, the log-sum-exp merge
+//   forward_schedule.hpp flash and decode over the whole problem, threads, the log-sum-exp merge
 //   backward_tiles.hpp  the backward's workspace, packed query blocks and key tiles (fp32, bf16)
 //   backward.hpp      the FlashAttention-2 backward (Algorithm 2) over the whole problem
 // and here the one switch from run-time options to template parameters, and the entry points of
@@ -28,7 +28,7 @@
 #include "kernels/engine/backward.hpp"
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/decode_fast.hpp"
-#include "kernels/engine/drivers.hpp"
+#include "kernels/engine/forward_schedule.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/workspace.hpp"

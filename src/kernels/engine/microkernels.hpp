@@ -15,7 +15,7 @@
 #include <cstring>
 
 #include "kernels/engine/isa_ops.hpp"
-#include "kernels/engine/with_int.hpp"
+#include "kernels/engine/size_switch.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {

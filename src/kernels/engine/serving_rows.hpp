@@ -16,7 +16,7 @@
 #include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
-#include "kernels/engine/with_int.hpp"
+#include "kernels/engine/size_switch.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "kernels/serving.hpp"
 #include "tensor/kv_codec.hpp"

@@ -35,7 +35,7 @@
 
 #define QKV_ENGINE_NS engine_avx512amx
 #include "kernels/engine/engine.hpp"
-#include "kernels/engine/with_int.hpp"
+#include "kernels/engine/size_switch.hpp"
 #include "kernels/isa_kernels.hpp"
 #include "kernels/engine/serving_item.hpp"
 

@@ -2,7 +2,7 @@
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[3]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_python_in_ten_lines_runs():

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_rows.hpp"
+#include "rows.hpp"
 #include "qkv/kv_quant.hpp"
 #include "qkv/varlen.hpp"
 

@@ -19,7 +19,7 @@
 #include "platform/cpu_features.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
-#include "qkv_bench.hpp"
+#include "bench_support.hpp"
 
 namespace qkv::bench {
 

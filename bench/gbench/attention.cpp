@@ -21,7 +21,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/info.hpp"
-#include "qkv_bench.hpp"
+#include "bench_support.hpp"
 
 namespace {
 

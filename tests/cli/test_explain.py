@@ -2,7 +2,7 @@
 output against `qkv attend`, the heatmap and plot files, --scaling figures, one layer of the
 stories260K model (--model/--prompt), and bad input.
 
-Usage: /usr/bin/python3 tests/python/test_explain.py <path to qkv>
+Usage: /usr/bin/python3 tests/cli/test_explain.py <path to qkv>
 """
 import os
 import re

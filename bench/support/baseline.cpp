@@ -8,7 +8,7 @@
 #include <cmath>
 
 #include "qkv/error.hpp"
-#include "qkv_bench.hpp"
+#include "bench_support.hpp"
 #include "baseline_common.hpp"
 
 namespace qkv::bench {

@@ -1,7 +1,7 @@
 #pragma once
 // `qkv bench` in parts: its options, the measured rows, the machine's peaks and the runner that
-// measures a row (cli/bench_measure.cpp), and the three outputs of the rows: the table, Markdown
-// and JSON (cli/bench_output.cpp). cli/bench.cpp declares the options and walks the grid.
+// measures a row (bench/command/measure.cpp), and the three outputs of the rows: the table, Markdown
+// and JSON (bench/command/output.cpp). bench/command/bench.cpp declares the options and walks the grid.
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -15,7 +15,7 @@
 
 #include "qkv/attention.hpp"
 #include "qkv/tensor.hpp"
-#include "qkv_bench.hpp"
+#include "bench_support.hpp"
 
 namespace qkv::cli::benchcmd {
 
@@ -152,13 +152,13 @@ std::string dtype_short(DType d);
 
 // The table (stdout, or stderr when the JSON goes to stdout). kind_width: the kind column.
 void print_header(FILE* out, int kind_width);
-/// `qkv bench --serving` (cli/bench_serving.cpp): packed and paged decode, a prefill + decode mix,
+/// `qkv bench --serving` (bench/command/serving.cpp): packed and paged decode, a prefill + decode mix,
 /// batched generation; a table on stdout.
 struct BenchOptions;
 void run_bench_serving(const BenchOptions& o);
-/// `qkv bench --kv-quant` (cli/bench_kv_quant.cpp): decode and prefill over quantized KV caches.
+/// `qkv bench --kv-quant` (bench/command/kv_quant.cpp): decode and prefill over quantized KV caches.
 void run_bench_kv_quant(const BenchOptions& o);
-/// `qkv bench --kv-accuracy` (cli/bench_kv_accuracy.cpp): the accuracy table of docs/accuracy.md.
+/// `qkv bench --kv-accuracy` (bench/command/kv_accuracy.cpp): the accuracy table of docs/accuracy.md.
 void run_bench_kv_accuracy(const BenchOptions& o);
 void print_row(FILE* out, const Row& r, int kind_width);
 // The results as a Markdown table (docs/performance.md), with the run's machine figures above it.

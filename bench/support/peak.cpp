@@ -13,7 +13,7 @@
 #include "platform/cpu_features.hpp"
 #include "peak_kernels.hpp"
 #include "qkv/info.hpp"
-#include "qkv_bench.hpp"
+#include "bench_support.hpp"
 
 namespace qkv::bench {
 namespace {

@@ -11,7 +11,7 @@
 
 #include "qkv/backward.hpp"
 #include "qkv/reference.hpp"
-#include "qkv_bench.hpp"
+#include "bench_support.hpp"
 
 namespace {
 

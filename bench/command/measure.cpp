@@ -1,12 +1,12 @@
-// `qkv bench`: measuring one row. qkv and the naive baselines (bench/baseline.cpp,
-// bench/baseline_backward.cpp) on the same values in the same run, timed as the options say, and
+// `qkv bench`: measuring one row. qkv and the naive baselines (bench/support/baseline.cpp,
+// bench/support/baseline_backward.cpp) on the same values in the same run, timed as the options say, and
 // judged against the machine's peaks (measured once per thread count, and again next to each row).
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 
-#include "bench_rows.hpp"
+#include "rows.hpp"
 #include "qkv/error.hpp"
 #include "qkv/info.hpp"
 

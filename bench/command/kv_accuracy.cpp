@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_rows.hpp"
+#include "rows.hpp"
 #include "models.hpp"
 #include "qkv/kv_quant.hpp"
 #include "qkv/llama.hpp"

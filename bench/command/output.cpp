@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 
-#include "bench_rows.hpp"
+#include "rows.hpp"
 #include "qkv/info.hpp"
 #include "qkv/version.hpp"
 

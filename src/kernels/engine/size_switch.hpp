@@ -12,7 +12,7 @@
 #include <utility>
 
 #ifndef QKV_ENGINE_NS
-#error "define QKV_ENGINE_NS before including kernels/engine/with_int.hpp"
+#error "define QKV_ENGINE_NS before including kernels/engine/size_switch.hpp"
 #endif
 
 namespace qkv::detail::QKV_ENGINE_NS {

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_rows.hpp"
+#include "rows.hpp"
 #include "models.hpp"
 #include "qkv/llama.hpp"
 #include "qkv/sampler.hpp"

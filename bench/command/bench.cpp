@@ -1,8 +1,8 @@
 // `qkv bench`: speed of qkv::attention() and qkv::attention_backward() on the benchmark grid,
-// each shape beside the naive unfused baselines (bench/baseline.cpp, bench/baseline_backward.cpp)
+// each shape beside the naive unfused baselines (bench/support/baseline.cpp, bench/support/baseline_backward.cpp)
 // run in the same process, and as a fraction of the machine's peaks measured at the start of the
 // run. See docs/performance.md. This file: the options and the walk over the grid; measuring a
-// row is in bench_measure.cpp, the table, Markdown and JSON in bench_output.cpp.
+// row is in measure.cpp, the table, Markdown and JSON in output.cpp.
 #include <omp.h>
 
 #include <cmath>
@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "bench_rows.hpp"
+#include "rows.hpp"
 #include "commands.hpp"
 #include "io/atomic_file.hpp"
 #include "qkv/error.hpp"

@@ -2,7 +2,7 @@
 CSV with one row per run and step and sane values, a summary with a row per (scale, d_k), and a
 PNG and an SVG per quantity; bad input gives one error line and no output.
 
-Usage: /usr/bin/python3 tests/python/test_train.py <path to qkv>
+Usage: /usr/bin/python3 tests/cli/test_train.py <path to qkv>
 """
 import csv
 import math
