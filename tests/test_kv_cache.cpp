@@ -1,8 +1,10 @@
 // KV cache: token by token, in chunks and all at once agree with a full recomputation; slots
-// beyond a sequence's length are never read; capacity is enforced.
+// beyond a sequence's length are never read; capacity is enforced; attend_varlen gives the bits of
+// a PagedKVCache over the same keys in every format.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "qkv/attention.hpp"
 #include "qkv/error.hpp"
 #include "qkv/kv_cache.hpp"
+#include "qkv/paged_kv_cache.hpp"
 #include "qkv/reference.hpp"
 
 namespace {
@@ -207,6 +210,65 @@ TEST(KVCache, TruncateClearAndViews) {
   EXPECT_EQ(cache.max_length(), 0);
   EXPECT_THROW(cache.truncate(-1), qkv::Error);
   EXPECT_THROW(cache.length(2), qkv::Error);
+}
+
+// attend_varlen, the serving kernel over each sequence's stored rows, in every format: the bits of
+// a PagedKVCache holding the same keys (another addressing of the same storage code, the same
+// kernel); rows before a sequence's first position (ragged padding) get 0 and -inf.
+TEST(KVCache, AttendVarlenGivesThePagedCachesBits) {
+  using qkv::KVFormat;
+  const Problem pr;
+  const std::vector<std::int64_t> counts{5, 3};
+  const std::int64_t T = pr.T, Hq = pr.Hq, Hkv = pr.Hkv, D = pr.D;
+  // Rows [T - n, T) of batch b of a [B, H, T, D] tensor, packed [n, H, D].
+  const auto pack = [&](const Tensor& x, std::int64_t b, std::int64_t n) {
+    const std::int64_t H = x.shape()[1];
+    Tensor r(DType::f32, {n, H, D});
+    for (std::int64_t t = 0; t < n; ++t)
+      for (std::int64_t h = 0; h < H; ++h)
+        std::memcpy(r.data_as<float>() + (t * H + h) * D, x.data_as<float>() + ((b * H + h) * T + T - n + t) * D,
+                    static_cast<std::size_t>(D) * sizeof(float));
+    return r;
+  };
+  for (const KVFormat f : {KVFormat::f32, KVFormat::bf16, KVFormat::f16, KVFormat::int8, KVFormat::q8_0, KVFormat::fp8}) {
+    KVCache cache(pr.B, Hkv, 16, D, f, f);
+    cache.append(pr.k, pr.v, counts);
+    Tensor out(DType::f32, {pr.B, Hq, T, D}), lse(DType::f32, {pr.B, Hq, T});
+    qkv::AttentionParams p;
+    p.causal = true;
+    cache.attend_varlen(pr.q, out, p, lse.view());
+    qkv::PagedKVCache paged(4, 16, Hkv, D, f, f);
+    for (std::int64_t b = 0; b < pr.B; ++b) {
+      const std::int64_t n = counts[static_cast<std::size_t>(b)], seq = paged.add_sequence();
+      const Tensor q = pack(pr.q, b, n), k = pack(pr.k, b, n), v = pack(pr.v, b, n);
+      Tensor o(DType::f32, {n, Hq, D}), l(DType::f32, {Hq, n});
+      paged.forward(std::span<const std::int64_t>(&seq, 1), std::span<const std::int64_t>(&n, 1), q, k, v, o, p,
+                    std::nullopt, l.view());
+      for (std::int64_t h = 0; h < Hq; ++h)
+        for (std::int64_t i = 0; i < T; ++i) {
+          const float* got = out.data_as<float>() + ((b * Hq + h) * T + i) * D;
+          const float got_lse = lse.data_as<float>()[(b * Hq + h) * T + i];
+          if (i < T - n) {  // padding
+            for (std::int64_t d = 0; d < D; ++d) ASSERT_EQ(got[d], 0.0f);
+            ASSERT_EQ(got_lse, -std::numeric_limits<float>::infinity());
+            continue;
+          }
+          const std::int64_t t = i - (T - n);
+          ASSERT_EQ(std::memcmp(got, o.data_as<float>() + (t * Hq + h) * D, static_cast<std::size_t>(D) * sizeof(float)), 0)
+              << qkv::kv_format_name(f) << " batch " << b << " head " << h << " row " << i;
+          ASSERT_EQ(std::memcmp(&got_lse, l.data_as<float>() + h * n + t, sizeof(float)), 0);
+        }
+    }
+  }
+  KVCache wide(1, Hkv, 4, D, DType::f64);
+  Tensor q1(DType::f64, {1, Hq, 1, D}), o1(DType::f64, {1, Hq, 1, D});
+  try {
+    wide.attend_varlen(q1, o1);
+    FAIL() << "expected qkv::Error";
+  } catch (const qkv::Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "kv_cache: attend_varlen: expected a cache in a KVFormat (f32, bf16, f16, int8, q8_0, fp8), got float64");
+  }
 }
 
 TEST(KVCache, RefusesBadArguments) {

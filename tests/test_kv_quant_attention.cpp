@@ -288,16 +288,8 @@ TEST(KVQuantAttention, KVCacheAgainstReference) {
       Tensor kd(DType::f32, {B, Hkv, S, D}), vd(DType::f32, {B, Hkv, S, D});
       for (i64 b = 0; b < B; ++b) {
         const i64 n = counts.empty() ? S : counts[static_cast<std::size_t>(b)];
-        const auto deq = [&](const QuantizedKV& all, const Tensor& dst) {
+        const auto deq = [&](const QuantizedKV& x, const Tensor& dst) {
           Tensor rows(DType::f32, {c.length(b), Hkv, D});
-          QuantizedKV x = all;
-          const i64 nb = all.format == KVFormat::q8_0 ? 2 : 1;
-          const auto es = [](const TensorView& t) { return static_cast<i64>(dtype_size(t.dtype())); };
-          x.data = TensorView(static_cast<char*>(all.data.data()) + b * Hkv * cap * D * es(all.data), all.data.dtype(),
-                              all.data.shape(), all.data.strides());
-          if (all.format == KVFormat::int8 || all.format == KVFormat::q8_0)
-            x.scales = TensorView(static_cast<char*>(all.scales.data()) + b * Hkv * cap * nb * es(all.scales),
-                                  all.scales.dtype(), all.scales.shape(), all.scales.strides());
           dequantize_kv(x, rows);
           for (i64 h = 0; h < Hkv; ++h)
             for (i64 t = 0; t < n; ++t)
@@ -305,8 +297,8 @@ TEST(KVQuantAttention, KVCacheAgainstReference) {
                 dst.data_as<float>()[((b * Hkv + h) * S + S - n + t) * D + d] =
                     rows.data_as<float>()[((before[static_cast<std::size_t>(b)] + t) * Hkv + h) * D + d];
         };
-        deq(c.quantized_keys(c.length(b)), kd);
-        deq(c.quantized_values(c.length(b)), vd);
+        deq(c.sequence_keys(b), kd);
+        deq(c.sequence_values(b), vd);
       }
       f.append(kd, vd, counts);
       AttentionParams p;

@@ -312,7 +312,12 @@ TEST(Mha, KVCacheOverflowIsRefusedAndLeavesTheCacheUnchanged) {
   const Tensor x = random_f32({1, 2, 16}, 1);
   Tensor y(DType::f32, {1, 2, 16});
   m.forward(x, cache, y);
-  EXPECT_THROW(m.forward(x, cache, y), qkv::Error);
+  try {
+    m.forward(x, cache, y);
+    ADD_FAILURE() << "expected qkv::Error";
+  } catch (const qkv::Error& e) {
+    EXPECT_EQ(std::string(e.what()), "kv_cache: append of 2 tokens to sequence 0 at length 2 exceeds the capacity 3 (4 > 3)");
+  }
   EXPECT_EQ(cache.length(0), 2);
   qkv::KVCache wrong(1, 1, 8, 8);
   EXPECT_THROW(m.forward(x, wrong, y), qkv::Error);

@@ -250,6 +250,42 @@ TEST(PagedKVCache, ContinuousBatchingMatchesOnePrefill) {
   }
 }
 
+// attend(): the newest tokens of each sequence attend again over the stored keys with the bits
+// forward() gave them (quantized pools, two sequences); its argument errors.
+TEST(PagedKVCache, AttendRepeatsTheStepsAttention) {
+  const i64 Hq = 4, Hkv = 2, D = 40;
+  PagedKVCache c(8, 16, Hkv, D, KVFormat::int8, KVFormat::q8_0);
+  const i64 a = c.add_sequence(), b = c.add_sequence();
+  std::mt19937_64 rng(5);
+  AttentionParams p;
+  p.causal = true;
+  for (const std::vector<i64>& counts : {std::vector<i64>{20, 3}, std::vector<i64>{1, 2}}) {
+    const i64 T = counts[0] + counts[1];
+    Tensor q(DType::f32, {T, Hq, D}), k(DType::f32, {T, Hkv, D}), v(DType::f32, {T, Hkv, D});
+    fill_normal(q, rng); fill_normal(k, rng); fill_normal(v, rng);
+    Tensor o(DType::f32, {T, Hq, D}), l(DType::f32, {Hq, T}), o2(DType::f32, {T, Hq, D}), l2(DType::f32, {Hq, T});
+    const std::vector<i64> seqs = {a, b};
+    c.forward(seqs, counts, q, k, v, o, p, std::nullopt, l.view());
+    c.attend(seqs, counts, q, o2, p, l2.view());
+    EXPECT_TRUE(same_bits(o2, o));
+    EXPECT_TRUE(same_bits(l2, l));
+  }
+  Tensor q(DType::f32, {3, Hq, D}), o(DType::f32, {3, Hq, D});
+  const std::vector<i64> one = {b}, six = {6}, two = {2};
+  try {
+    c.attend(one, six, q, o);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "counts: expected a count in [0, length(seq)] = [0, 5], got 6 at 0");
+  }
+  try {
+    c.attend(one, two, q, o);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()), "q: expected T = sum(counts) = 2 tokens, got 3");
+  }
+}
+
 TEST(PagedKVCache, Errors) {
   EXPECT_THROW(PagedKVCache(8, 8, 1, 4), Error);  // block_size < 16
   EXPECT_THROW(PagedKVCache(8, 16, 1, 4, DType::f64), Error);

@@ -8,8 +8,10 @@
 /// KVCache per layer.
 ///
 /// Storage, per layer:  K [B, Hkv, capacity, D],  V [B, Hkv, capacity, Dv], C-contiguous,
-/// dtype float32, float64, bfloat16 or float16 (appended values are rounded to it), plus a length
-/// per sequence b: positions [0, length(b)) hold data; slots at or beyond length(b) are never read.
+/// dtype float32, float64, bfloat16 or float16 (appended values are rounded to it), or K and V
+/// each in a format of qkv/kv_quant.hpp (codes and scales), plus a length per sequence b:
+/// positions [0, length(b)) hold data; slots at or beyond length(b) are never read. The storage
+/// code (writing, quantizing, the views the kernels read) is the one PagedKVCache uses.
 ///
 /// Typical use (prefill of a prompt of S tokens, then one token at a time):
 ///   KVCache cache(B, Hkv, max_seq_len, D);
@@ -18,13 +20,16 @@
 ///   cache.append(k, v);                            // k [B,Hkv,S,D], v [B,Hkv,S,Dv]
 ///   AttentionParams p; p.causal = true;
 ///   cache.attend(q, out, p);                       // q [B,Hq,S,D] -> out [B,Hq,S,Dv]
-/// Generating token by token, in chunks, or all at once gives the same outputs (tested).
+/// Generating token by token, in chunks, or all at once gives the same outputs (tested); through
+/// attend_varlen() (the serving kernel) the very same bits.
 ///
 /// Not thread-safe: one cache is used by one thread at a time (attend() may use a scratch buffer).
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "qkv/attention.hpp"
@@ -33,9 +38,14 @@
 
 namespace qkv {
 
+namespace detail {
+class KVStorage;  // src/cache/kv_storage.hpp
+}
+
 class KVCache {
  public:
-  KVCache() = default;
+  /// An empty cache (B = Hkv = capacity = 0), to be assigned one of the caches below.
+  KVCache();
   /// Allocates K [B, Hkv, capacity, D] and V [B, Hkv, capacity, Dv] (zeroed), every length 0.
   /// @param dtype       storage: float32 (default), float64, bfloat16 or float16.
   /// @param head_dim_v  Dv; 0 means Dv = D.
@@ -47,12 +57,16 @@ class KVCache {
   /// scales (keys()/values() are the codes, key_scales()/value_scales() the scales, laid out like
   /// the rows: [B, Hkv, capacity] for int8, [B, Hkv, capacity, ceil(D/32)] float16 for q8_0, [Hkv]
   /// for fp8, which starts at 1: set_fp8_scales). append() quantizes (round to nearest even,
-  /// saturating) and refuses NaN and infinities naming the batch, token and head; attend() runs the
-  /// serving kernel directly on the codes (attention_varlen over QuantizedKV, one call per
-  /// sequence): causal, window, softcap, scale, GQA; no explicit mask and no probs.
+  /// saturating) and refuses NaN and infinities naming the batch, token and head; attend() is then
+  /// attend_varlen(), the serving kernel directly on the codes: causal, window, softcap, scale,
+  /// GQA; no explicit mask and no probs.
   /// @throws qkv::Error as above.
   KVCache(std::int64_t batch, std::int64_t num_kv_heads, std::int64_t capacity, std::int64_t head_dim,
           KVFormat k_format, KVFormat v_format, std::int64_t head_dim_v = 0);
+
+  KVCache(KVCache&&) noexcept;
+  KVCache& operator=(KVCache&&) noexcept;
+  ~KVCache();
 
   std::int64_t batch() const noexcept { return B_; }
   std::int64_t num_kv_heads() const noexcept { return Hkv_; }
@@ -60,16 +74,19 @@ class KVCache {
   std::int64_t head_dim() const noexcept { return D_; }
   std::int64_t head_dim_v() const noexcept { return Dv_; }
   /// The storage dtype of the keys (the codes' dtype for a quantized format).
-  DType dtype() const noexcept { return dtype_; }
-  KVFormat k_format() const noexcept { return kf_; }
-  KVFormat v_format() const noexcept { return vf_; }
+  DType dtype() const noexcept;
+  /// The formats of K and V (f32 for float64 storage, which has no KVFormat).
+  KVFormat k_format() const noexcept;
+  KVFormat v_format() const noexcept;
   /// Scales of a quantized K / V (see the constructor); empty views for float formats.
-  TensorView key_scales() const { return ks_.view(); }
-  TensorView value_scales() const { return vs_.view(); }
-  /// Sequence 0's first `length` positions as packed [length, Hkv, D] operands with their scales
-  /// (views into the storage; add b * Hkv * capacity rows for sequence b).
-  QuantizedKV quantized_keys(std::int64_t length) const;
-  QuantizedKV quantized_values(std::int64_t length) const;
+  TensorView key_scales() const;
+  TensorView value_scales() const;
+  /// Sequence b's length(b) cached positions as packed [length(b), Hkv, D] / [..., Dv] operands
+  /// of attention_varlen, with their scales: views into the storage (strides D * capacity between
+  /// heads), what attend_varlen() passes on. Not for float64 storage (no KVFormat).
+  /// @throws qkv::Error if b is out of [0, B).
+  QuantizedKV sequence_keys(std::int64_t b) const;
+  QuantizedKV sequence_values(std::int64_t b) const;
   /// Per-head fp8 scales of K and V ([Hkv] each; ignored for other formats).
   /// @throws qkv::Error unless the cache is empty, for sizes other than Hkv or a scale not finite and > 0.
   void set_fp8_scales(std::span<const float> k_scales, std::span<const float> v_scales);
@@ -82,8 +99,8 @@ class KVCache {
   std::int64_t max_length() const noexcept;
 
   /// The whole storage, [B, Hkv, capacity, D] and [B, Hkv, capacity, Dv], writable.
-  TensorView keys() const { return k_.view(); }
-  TensorView values() const { return v_.view(); }
+  TensorView keys() const;
+  TensorView values() const;
   /// The first max_length() positions: [B, Hkv, max_length(), D] / [..., Dv] strided views of
   /// the storage (no copy). Positions >= length(b) of sequence b hold stale or unwritten data.
   TensorView active_keys() const;
@@ -105,12 +122,14 @@ class KVCache {
   ///         bad counts, or if any sequence would exceed the capacity. On error nothing is written.
   void append(const TensorView& k, const TensorView& v, std::span<const std::int64_t> counts = {});
 
-  /// Attention of new queries over the cache, via qkv::attention() with kv_lens = lengths() and
-  /// K/V = active_keys()/active_values() (Sk = max_length()). Bottom-right alignment: query row i
-  /// of sequence b sits at position length(b) - Sq + i, so after append() of the Sq tokens whose
-  /// queries these are, `params.causal = true` gives exactly causal attention of the full sequence.
-  /// With ragged appends, sequence b's real queries are its last counts[b] rows; earlier rows
-  /// sit at earlier positions and their outputs are to be ignored.
+  /// Attention of new queries over the cache. Bottom-right alignment: query row i of sequence b
+  /// sits at position length(b) - Sq + i, so after append() of the Sq tokens whose queries these
+  /// are, `params.causal = true` gives exactly causal attention of the full sequence. With ragged
+  /// appends, sequence b's real queries are its last counts[b] rows; earlier rows sit at earlier
+  /// positions and their outputs are to be ignored.
+  /// A cache in one float format (the dtype constructor) runs qkv::attention() with kv_lens =
+  /// lengths() and K/V = active_keys()/active_values() (Sk = max_length()), on the kernel the
+  /// dispatcher picks; a quantized or mixed-format cache runs attend_varlen().
   ///
   /// @param q    [B, Hq, Sq, D], Hq % Hkv == 0 (GQA), any strides with a contiguous last dim.
   /// @param out  [B, Hq, Sq, Dv]. softmax_lse, probs: as qkv::attention() with Sk = max_length().
@@ -121,10 +140,27 @@ class KVCache {
   /// the cached positions are converted into a capacity-sized copy of q's dtype, incrementally
   /// (only positions appended since the previous call). After writing into keys()/values() below
   /// length(b) directly, call truncate() so the copy is refreshed.
-  /// @throws qkv::Error as qkv::attention(), or for kv_lens set / top_left alignment.
+  /// @throws qkv::Error as qkv::attention(), or for kv_lens set / top_left alignment; for a
+  ///         quantized or mixed-format cache, as attend_varlen() and for probs given.
   void attend(const TensorView& q, const TensorView& out, const AttentionParams& params = {},
               const std::optional<TensorView>& softmax_lse = std::nullopt,
               const std::optional<TensorView>& probs = std::nullopt);
+
+  /// Attention of new queries over the cache through qkv::attention_varlen, in any format: one
+  /// call per sequence b, of its last min(Sq, length(b)) query rows over sequence_keys(b) /
+  /// sequence_values(b) (the stored codes, no copy). With params.kernel automatic this is the
+  /// batch-invariant serving kernel (qkv/varlen.hpp): a row's bits depend only on its query, its
+  /// sequence's keys and values and the options, and equal those of attention_varlen or
+  /// PagedKVCache over the same keys, whatever the batch or the chunking. Alignment, q, out and
+  /// softmax_lse as attend(); rows before a sequence's first position (ragged padding) get out =
+  /// 0 and softmax_lse = -inf.
+  /// @param params  causal, window, scale, softcap, kernel (automatic or reference for quantized
+  ///                K or V; any for float32/bfloat16/float16 K and V of q's dtype),
+  ///                num_threads; no mask, no kv_lens, align bottom_right.
+  /// @throws qkv::Error as attention_varlen(), for a mask, kv_lens, top_left alignment, shapes
+  ///         of q, out, softmax_lse other than above, or float64 storage.
+  void attend_varlen(const TensorView& q, const TensorView& out, const AttentionParams& params = {},
+                     const std::optional<TensorView>& softmax_lse = std::nullopt);
 
   /// Forgets every cached position (lengths to 0); the storage is kept.
   void clear() noexcept;
@@ -136,15 +172,12 @@ class KVCache {
   void truncate(std::span<const std::int64_t> lengths);
 
  private:
-  std::int64_t B_ = 0, Hkv_ = 0, capacity_ = 0, D_ = 0, Dv_ = 0;
-  void append_quantized(const TensorView& k, const TensorView& v, std::span<const std::int64_t> counts);
-  void attend_quantized(const TensorView& q, const TensorView& out, const AttentionParams& params,
+  void check_attend(const TensorView& q, const AttentionParams& params) const;
+  std::string formats() const;  // "k_format/v_format", for messages
+  void attend_sequences(const TensorView& q, const TensorView& out, const AttentionParams& params,
                         const std::optional<TensorView>& softmax_lse);
-  TensorView scales_view(const Tensor& sc, KVFormat f, std::int64_t length, std::int64_t nb) const;
-  DType dtype_ = DType::f32;
-  KVFormat kf_ = KVFormat::f32, vf_ = KVFormat::f32;
-  bool quant_ = false;  // a quantized or mixed-format cache: attend() runs attend_quantized()
-  Tensor k_, v_, ks_, vs_;
+  std::int64_t B_ = 0, Hkv_ = 0, capacity_ = 0, D_ = 0, Dv_ = 0;
+  std::unique_ptr<detail::KVStorage> store_;  // K, V and their scales: slot b = sequence b
   std::vector<std::int64_t> lengths_;
   Tensor scratch_k_, scratch_v_;       // copies in q's dtype for attend() when it differs
   std::vector<std::int64_t> widened_;  // per sequence: positions [0, widened_) of the copies are current

@@ -55,7 +55,7 @@ struct LlamaOptions {
   bool record_queries = false;
   /// RoPE angle precision (rope.hpp): f64 (exact) or llama2c_f32 (bit-for-bit llama2.c's floats).
   RopeAngles rope_angles = RopeAngles::f64;
-  /// Attention through the batch-invariant serving kernel (attention_varlen over the cache; with
+  /// Attention through the batch-invariant serving kernel (KVCache::attend_varlen; with
   /// attention_kernel automatic): every position's bits are then those LlamaBatch computes for
   /// the same sequence in any batch (qkv generate uses it, so --prompts reproduces --prompt).
   bool batch_invariant = false;

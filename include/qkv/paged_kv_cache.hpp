@@ -17,12 +17,14 @@
 ///   cache.forward({a, b}, {7, 1}, q, k, v, out, params, rope);
 ///   cache.free_sequence(a);                       // its blocks go back to the pool
 /// forward() = positions length(s) + t, RoPE of q and k at those positions (as
-/// MultiHeadAttention does before its KVCache), allocate_slots(), write(), attention_paged().
+/// MultiHeadAttention does before its KVCache), allocate_slots(), write(), attend() (which runs
+/// attention_paged()).
 /// The outputs are batch invariant (qkv/varlen.hpp): a sequence gets the same bits alone or in
 /// any batch, as one prefill or in chunks, whatever blocks it holds.
 ///
 /// Not thread-safe: one cache is used by one thread at a time.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -34,9 +36,14 @@
 
 namespace qkv {
 
+namespace detail {
+class KVStorage;  // src/cache/kv_storage.hpp
+}
+
 class PagedKVCache {
  public:
-  PagedKVCache() = default;
+  /// An empty cache (no block), to be assigned one of the caches below.
+  PagedKVCache();
   /// Allocates the pools (zeroed), every block free.
   /// @param block_size  keys per block, >= 16 (vLLM's sizes are 16 and 32).
   /// @param dtype       storage: float32 (default), bfloat16 or float16.
@@ -55,24 +62,28 @@ class PagedKVCache {
   PagedKVCache(std::int64_t num_blocks, std::int64_t block_size, std::int64_t num_kv_heads, std::int64_t head_dim,
                KVFormat k_format, KVFormat v_format, std::int64_t head_dim_v = 0);
 
+  PagedKVCache(PagedKVCache&&) noexcept;
+  PagedKVCache& operator=(PagedKVCache&&) noexcept;
+  ~PagedKVCache();
+
   std::int64_t num_blocks() const noexcept { return num_blocks_; }
   std::int64_t block_size() const noexcept { return block_size_; }
   std::int64_t num_kv_heads() const noexcept { return Hkv_; }
   std::int64_t head_dim() const noexcept { return D_; }
   std::int64_t head_dim_v() const noexcept { return Dv_; }
   /// Dtype of the key pool's elements (int8 / uint8 codes for a quantized format).
-  DType dtype() const noexcept { return dtype_; }
-  KVFormat k_format() const noexcept { return kf_; }
-  KVFormat v_format() const noexcept { return vf_; }
+  DType dtype() const noexcept;
+  KVFormat k_format() const noexcept;
+  KVFormat v_format() const noexcept;
   /// The pools, [num_blocks, Hkv, block_size, D] and [..., Dv], writable (codes when quantized).
-  TensorView key_pool() const { return k_.view(); }
-  TensorView value_pool() const { return v_.view(); }
+  TensorView key_pool() const;
+  TensorView value_pool() const;
   /// Scales of quantized pools (kv_scales_shape of the pool; empty for float formats).
-  TensorView key_scales() const { return ks_.view(); }
-  TensorView value_scales() const { return vs_.view(); }
+  TensorView key_scales() const;
+  TensorView value_scales() const;
   /// Pools and scales as attention_paged's operands.
-  QuantizedKV keys() const { return {kf_, k_.view(), ks_.view()}; }
-  QuantizedKV values() const { return {vf_, v_.view(), vs_.view()}; }
+  QuantizedKV keys() const;
+  QuantizedKV values() const;
   /// Per-head scales of fp8 K and V ([Hkv] each; ignored for another format): stored values are
   /// x / scale in e4m3 (range +-448). @throws qkv::Error unless every block is free, for sizes
   /// other than Hkv, or a scale not finite and > 0.
@@ -109,15 +120,28 @@ class PagedKVCache {
   Tensor block_table(std::span<const std::int64_t> seqs) const;
   Tensor seq_lens(std::span<const std::int64_t> seqs) const;
 
+  /// Attention of the newest counts[b] keys of each sequence seqs[b] (stored already, by write()
+  /// or forward()) as queries over all its keys: attention_paged() with this cache's block table
+  /// and lengths. q [T, Hq, D] packed in the order of seqs, T = sum(counts); out [T, Hq, Dv],
+  /// softmax_lse [Hq, T]. Query row t of sequence b sits at position length(b) - counts[b] + t
+  /// (bottom-right alignment), so `causal = true` is causal attention over the whole sequence.
+  /// The serving kernel (kernel automatic, or reference): batch invariant (qkv/varlen.hpp).
+  /// @throws qkv::Error as attention_paged(), or for a sequence not live, counts of another size
+  ///         than seqs, a count < 0 or > length(seq), or a sum of counts other than q's T.
+  void attend(std::span<const std::int64_t> seqs, std::span<const std::int64_t> counts, const TensorView& q,
+              const TensorView& out, const AttentionParams& params = {},
+              const std::optional<TensorView>& softmax_lse = std::nullopt) const;
+
   /// One step for the sequences `seqs` (distinct), counts[b] new tokens each, packed in order:
   /// q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, Dv] with T = sum(counts). With `rope`, q and k
   /// (float32 or float64) are rotated in place at positions length(seqs[b]) + t (apply_rope).
-  /// The new keys and values are stored, then out [T, Hq, Dv] (and softmax_lse [Hq, T]) gets
-  /// attention_paged() of the new queries over each sequence's keys, the new ones included
-  /// (`causal = true` for a decoder). A count of 0 is allowed.
+  /// The new keys and values are stored (allocate_slots(), write()), then out [T, Hq, Dv] (and
+  /// softmax_lse [Hq, T]) gets attend(): the new queries over each sequence's keys, the new ones
+  /// included (`causal = true` for a decoder). A count of 0 is allowed.
   /// @throws qkv::Error as allocate_slots(), write(), attention_paged(), apply_rope(), or for
   ///         counts of another size than seqs, a repeated sequence, a sum of counts other than T.
-  ///         When the pool is too short, nothing changes.
+  ///         When the pool is too short, nothing changes; when the attention call refuses its
+  ///         arguments, the allocation is undone.
   void forward(std::span<const std::int64_t> seqs, std::span<const std::int64_t> counts, const TensorView& q,
                const TensorView& k, const TensorView& v, const TensorView& out, const AttentionParams& params = {},
                const std::optional<RopeConfig>& rope = std::nullopt,
@@ -131,9 +155,7 @@ class PagedKVCache {
   };
   const Seq& live(std::int64_t seq) const;
   std::int64_t num_blocks_ = 0, block_size_ = 0, Hkv_ = 0, D_ = 0, Dv_ = 0;
-  DType dtype_ = DType::f32;
-  KVFormat kf_ = KVFormat::f32, vf_ = KVFormat::f32;
-  Tensor k_, v_, ks_, vs_;
+  std::unique_ptr<detail::KVStorage> store_;  // the pools and their scales: slot n = block n
   std::vector<std::int32_t> free_;   // a stack: the last freed block is taken first
   std::vector<Seq> seqs_;
   std::vector<std::int64_t> free_ids_;

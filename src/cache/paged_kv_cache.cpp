@@ -1,16 +1,16 @@
-// PagedKVCache: pools of fixed-size blocks, a free list, per-sequence block lists; the step that
-// rotates, stores and attends (attention_paged, src/api/varlen.cpp).
+// PagedKVCache: the addressing of pools of fixed-size blocks (the rows themselves in
+// detail::KVStorage, kv_storage.hpp: slot n = block n), a free list, per-sequence block lists and
+// block tables; attention through attention_paged, and the step that rotates, stores and attends.
 #include "qkv/paged_kv_cache.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <string>
 
+#include "cache/kv_storage.hpp"
 #include "qkv/error.hpp"
 #include "qkv/varlen.hpp"
 #include "tensor/convert.hpp"
-#include "tensor/kv_codec.hpp"
 
 namespace qkv {
 namespace {
@@ -29,15 +29,24 @@ void check_rank3(const TensorView& t, const char* name, const char* axes) {
                 std::string(dtype_name(t.dtype())));
 }
 
-}  // namespace
+void check_count_size(std::span<const i64> seqs, std::span<const i64> counts) {
+  if (counts.size() != seqs.size())
+    throw Error("counts: expected one count per sequence (" + str(static_cast<i64>(seqs.size())) + "), got " +
+                str(static_cast<i64>(counts.size())));
+}
 
-namespace {
 KVFormat pool_format(DType dtype) {
   if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16)
     throw Error("dtype: expected float32, bfloat16 or float16 for the pools, got " + std::string(dtype_name(dtype)));
   return kv_format_of(dtype, "dtype");
 }
+
 }  // namespace
+
+PagedKVCache::PagedKVCache() : store_(std::make_unique<detail::KVStorage>(DType::f32, 0, 0, 0, 0, 0)) {}
+PagedKVCache::PagedKVCache(PagedKVCache&&) noexcept = default;
+PagedKVCache& PagedKVCache::operator=(PagedKVCache&&) noexcept = default;
+PagedKVCache::~PagedKVCache() = default;
 
 PagedKVCache::PagedKVCache(i64 num_blocks, i64 block_size, i64 num_kv_heads, i64 head_dim, DType dtype, i64 head_dim_v)
     : PagedKVCache(num_blocks, block_size, num_kv_heads, head_dim, pool_format(dtype), pool_format(dtype), head_dim_v) {}
@@ -45,38 +54,33 @@ PagedKVCache::PagedKVCache(i64 num_blocks, i64 block_size, i64 num_kv_heads, i64
 PagedKVCache::PagedKVCache(i64 num_blocks, i64 block_size, i64 num_kv_heads, i64 head_dim, KVFormat k_format,
                            KVFormat v_format, i64 head_dim_v)
     : num_blocks_(num_blocks), block_size_(block_size), Hkv_(num_kv_heads), D_(head_dim),
-      Dv_(head_dim_v == 0 ? head_dim : head_dim_v), dtype_(kv_format_dtype(k_format)), kf_(k_format), vf_(v_format) {
+      Dv_(head_dim_v == 0 ? head_dim : head_dim_v) {
   if (num_blocks < 1 || num_blocks > std::numeric_limits<std::int32_t>::max())
     throw Error("num_blocks: expected 1 .. 2^31 - 1 (int32 block ids), got " + str(num_blocks));
   if (block_size < 16) throw Error("block_size: expected >= 16, got " + str(block_size));
   if (num_kv_heads < 1) throw Error("num_kv_heads: expected >= 1, got " + str(num_kv_heads));
   if (head_dim < 1) throw Error("head_dim: expected >= 1, got " + str(head_dim));
   if (head_dim_v < 0) throw Error("head_dim_v: expected >= 0 (0 = head_dim), got " + str(head_dim_v));
-  k_ = Tensor(kv_format_dtype(kf_), {num_blocks, Hkv_, block_size, D_});
-  v_ = Tensor(kv_format_dtype(vf_), {num_blocks, Hkv_, block_size, Dv_});
-  ks_ = Tensor(kv_scales_dtype(kf_), kv_scales_shape(kf_, k_.shape()));
-  vs_ = Tensor(kv_scales_dtype(vf_), kv_scales_shape(vf_, v_.shape()));
-  if (kf_ == KVFormat::fp8) std::fill_n(ks_.data_as<float>(), Hkv_, 1.0f);
-  if (vf_ == KVFormat::fp8) std::fill_n(vs_.data_as<float>(), Hkv_, 1.0f);
+  store_ = std::make_unique<detail::KVStorage>(k_format, v_format, num_blocks, Hkv_, block_size, D_, Dv_);
   free_.reserve(static_cast<std::size_t>(num_blocks));
   for (i64 b = num_blocks - 1; b >= 0; --b) free_.push_back(static_cast<std::int32_t>(b));
 }
+
+DType PagedKVCache::dtype() const noexcept { return store_->dtype(); }
+KVFormat PagedKVCache::k_format() const noexcept { return store_->k_format(); }
+KVFormat PagedKVCache::v_format() const noexcept { return store_->v_format(); }
+TensorView PagedKVCache::key_pool() const { return store_->key_data(); }
+TensorView PagedKVCache::value_pool() const { return store_->value_data(); }
+TensorView PagedKVCache::key_scales() const { return store_->key_scales(); }
+TensorView PagedKVCache::value_scales() const { return store_->value_scales(); }
+QuantizedKV PagedKVCache::keys() const { return store_->keys(); }
+QuantizedKV PagedKVCache::values() const { return store_->values(); }
 
 void PagedKVCache::set_fp8_scales(std::span<const float> k_scales, std::span<const float> v_scales) {
   if (num_free_blocks() != num_blocks_)
     throw Error("set_fp8_scales: expected an empty cache (scales change the meaning of stored codes), got " +
                 str(num_blocks_ - num_free_blocks()) + " blocks in use");
-  const std::pair<std::span<const float>, const char*> args[] = {{k_scales, "k_scales"}, {v_scales, "v_scales"}};
-  for (const auto& [sc, name] : args) {
-    if (static_cast<i64>(sc.size()) != Hkv_)
-      throw Error(std::string(name) + ": expected Hkv = " + str(Hkv_) + " scales, got " + str(static_cast<i64>(sc.size())));
-    for (std::size_t h = 0; h < sc.size(); ++h)
-      if (!(std::isfinite(sc[h]) && sc[h] > 0.0f))
-        throw Error(std::string(name) + ": expected finite scales > 0, got " + std::to_string(sc[h]) + " at head " +
-                    str(static_cast<i64>(h)));
-  }
-  if (kf_ == KVFormat::fp8) std::copy(k_scales.begin(), k_scales.end(), ks_.data_as<float>());
-  if (vf_ == KVFormat::fp8) std::copy(v_scales.begin(), v_scales.end(), vs_.data_as<float>());
+  store_->set_fp8_scales(k_scales, v_scales, "");
 }
 
 const PagedKVCache::Seq& PagedKVCache::live(i64 seq) const {
@@ -159,52 +163,16 @@ void PagedKVCache::write(const TensorView& k, const TensorView& v, const TensorV
                   str(s) + " at " + str(t));
     slots[static_cast<std::size_t>(t)] = s;
   }
-  const std::size_t ke = dtype_size(k.dtype()), ve = dtype_size(v.dtype());
-  // Quantized formats refuse NaN and infinities, all checked before anything is written.
-  std::vector<float> row(static_cast<std::size_t>(std::max(D_, Dv_)));
-  const struct { const TensorView* x; std::size_t xe; KVFormat f; i64 n; const char* name; } parts[] = {
-      {&k, ke, kf_, D_, "k"}, {&v, ve, vf_, Dv_, "v"}};
-  for (const auto& pt : parts) {
-    if (!kv_format_quantized(pt.f)) continue;
-    for (i64 t = 0; t < T; ++t) {
-      if (slots[static_cast<std::size_t>(t)] < 0) continue;
-      for (i64 h = 0; h < Hkv_; ++h) {
-        detail::convert_row(static_cast<const char*>(pt.x->data()) + (t * pt.x->stride(0) + h * pt.x->stride(1)) * pt.xe,
-                            pt.x->dtype(), row.data(), DType::f32, pt.n);
-        const i64 bad = detail::first_nonfinite(row.data(), pt.n);
-        if (bad >= 0)
-          throw Error(std::string(pt.name) + ": expected finite values for the " + std::string(kv_format_name(pt.f)) +
-                      " cache, got " + std::to_string(row[static_cast<std::size_t>(bad)]) + " at token " + str(t) +
-                      ", head " + str(h));
-      }
-    }
-  }
-  const auto store = [&](const TensorView& x, std::size_t xe, KVFormat f, const Tensor& pool, const Tensor& scales,
-                         i64 n, i64 t, i64 h, i64 blk, i64 off) {
-    const char* src = static_cast<const char*>(x.data()) + (t * x.stride(0) + h * x.stride(1)) * xe;
-    const i64 r = (blk * Hkv_ + h) * block_size_ + off;  // the row in the pool
-    char* dst = static_cast<char*>(pool.data()) + r * n * static_cast<i64>(dtype_size(pool.dtype()));
-    if (!kv_format_quantized(f)) {
-      detail::convert_row(src, x.dtype(), dst, pool.dtype(), n);
-      return;
-    }
-    detail::convert_row(src, x.dtype(), row.data(), DType::f32, n);
-    if (f == KVFormat::fp8) {
-      detail::encode_row(f, row.data(), n, dst, nullptr, scales.data_as<const float>()[h]);
-    } else {
-      const i64 nb = f == KVFormat::q8_0 ? (n + kQ8Block - 1) / kQ8Block : 1;
-      detail::encode_row(f, row.data(), n, dst, static_cast<char*>(scales.data()) + r * nb * static_cast<i64>(dtype_size(scales.dtype())), 0.0f);
-    }
-  };
+  std::vector<detail::KVStorage::RowWrite> rows;
   for (i64 t = 0; t < T; ++t) {
     const i64 s = slots[static_cast<std::size_t>(t)];
     if (s < 0) continue;
     const i64 blk = s / block_size_, off = s % block_size_;
-    for (i64 h = 0; h < Hkv_; ++h) {
-      store(k, ke, kf_, k_, ks_, D_, t, h, blk, off);
-      store(v, ve, vf_, v_, vs_, Dv_, t, h, blk, off);
-    }
+    for (i64 h = 0; h < Hkv_; ++h)
+      rows.push_back({t * k.stride(0) + h * k.stride(1), t * v.stride(0) + h * v.stride(1),
+                      (blk * Hkv_ + h) * block_size_ + off, h, -1, t});
   }
+  store_->write(k, v, rows, "");
 }
 
 Tensor PagedKVCache::block_table(std::span<const i64> seqs) const {
@@ -225,12 +193,30 @@ Tensor PagedKVCache::seq_lens(std::span<const i64> seqs) const {
   return t;
 }
 
+void PagedKVCache::attend(std::span<const i64> seqs, std::span<const i64> counts, const TensorView& q,
+                          const TensorView& out, const AttentionParams& params,
+                          const std::optional<TensorView>& softmax_lse) const {
+  check_count_size(seqs, counts);
+  Tensor cu(DType::i32, {static_cast<i64>(seqs.size()) + 1});
+  cu.data_as<std::int32_t>()[0] = 0;
+  i64 total = 0;
+  for (std::size_t b = 0; b < seqs.size(); ++b) {
+    const i64 len = live(seqs[b]).length;
+    if (counts[b] < 0 || counts[b] > len)
+      throw Error("counts: expected a count in [0, length(seq)] = [0, " + str(len) + "], got " + str(counts[b]) +
+                  " at " + str(static_cast<i64>(b)));
+    total += counts[b];
+    cu.data_as<std::int32_t>()[b + 1] = static_cast<std::int32_t>(total);
+  }
+  if (q.rank() == 3 && q.size(0) != total)
+    throw Error("q: expected T = sum(counts) = " + str(total) + " tokens, got " + str(q.size(0)));
+  attention_paged(q, keys(), values(), out, cu, seq_lens(seqs), block_table(seqs), params, softmax_lse);
+}
+
 void PagedKVCache::forward(std::span<const i64> seqs, std::span<const i64> counts, const TensorView& q, const TensorView& k,
                            const TensorView& v, const TensorView& out, const AttentionParams& params,
                            const std::optional<RopeConfig>& rope, const std::optional<TensorView>& softmax_lse) {
-  if (counts.size() != seqs.size())
-    throw Error("counts: expected one count per sequence (" + str(static_cast<i64>(seqs.size())) + "), got " +
-                str(static_cast<i64>(counts.size())));
+  check_count_size(seqs, counts);
   check_rank3(q, "q", "[T,Hq,D]");
   check_rank3(k, "k", "[T,Hkv,D]");
   check_rank3(v, "v", "[T,Hkv,Dv]");
@@ -264,19 +250,16 @@ void PagedKVCache::forward(std::span<const i64> seqs, std::span<const i64> count
 
   // Allocate, remembering how to undo it if the attention call refuses its arguments.
   std::vector<std::pair<i64, std::size_t>> undo;  // (old length, old block count) per sequence
-  Tensor slots(DType::i64, {total}), cu(DType::i32, {static_cast<i64>(seqs.size()) + 1});
-  cu.data_as<std::int32_t>()[0] = 0;
+  Tensor slots(DType::i64, {total});
   i64 t = 0;
   for (std::size_t b = 0; b < seqs.size(); ++b) {
     const Seq& s = live(seqs[b]);
     undo.emplace_back(s.length, s.blocks.size());
     for (i64 sl : allocate_slots(seqs[b], counts[b])) slots.data_as<i64>()[t++] = sl;
-    cu.data_as<std::int32_t>()[b + 1] = static_cast<std::int32_t>(t);
   }
   try {
     write(k, v, slots);
-    const Tensor table = block_table(seqs), lens = seq_lens(seqs);
-    attention_paged(q, keys(), values(), out, cu, lens, table, params, softmax_lse);
+    attend(seqs, counts, q, out, params, softmax_lse);
   } catch (...) {
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       Seq& s = seqs_[static_cast<std::size_t>(seqs[b])];

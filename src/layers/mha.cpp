@@ -337,11 +337,6 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   if (options.attention.kv_lens)
     throw Error(
         "mha: options.attention.kv_lens: expected none with a KV cache (the cache supplies the lengths)");
-  for (std::int64_t b = 0; b < B; ++b)
-    if (S > cache.capacity() - cache.length(b))
-      throw Error("kv_cache: append of " + std::to_string(S) + " tokens to sequence " + std::to_string(b) + " at length " +
-                  std::to_string(cache.length(b)) + " exceeds the capacity " + std::to_string(cache.capacity()) + " (" +
-                  std::to_string(cache.length(b) + S) + " > " + std::to_string(cache.capacity()) + ")");
   const mha_detail::QkvHeads heads =
       mha_detail::project_self(x, w_in_, cfg_.qkv_bias ? b_in_.data_as<const float>() : nullptr, cfg_);
   const TensorView &q = heads.q, &k = heads.k, &v = heads.v;
@@ -352,7 +347,8 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   }
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov = mha_detail::heads_view(o, Hq);
-  // Appending first makes the new tokens visible to their own queries (the diagonal).
+  // Appending first makes the new tokens visible to their own queries (the diagonal). append()
+  // refuses a chunk beyond the capacity and then writes nothing.
   const std::vector<std::int64_t> saved(cache.lengths().begin(), cache.lengths().end());
   cache.append(k, v);
   try {

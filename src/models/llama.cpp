@@ -1,5 +1,6 @@
 // Llama-2 forward pass (architecture and sources in include/qkv/llama.hpp) on qkv's layers:
-// detail::sgemm projections over all tokens of a call, apply_rope, KVCache::append/attend.
+// detail::sgemm projections over all tokens of a call, apply_rope, KVCache::append and attend
+// (or attend_varlen, the batch-invariant serving kernel).
 #include "qkv/llama.hpp"
 
 #include "models/llama_common.hpp"
@@ -14,7 +15,6 @@
 #include "qkv/error.hpp"
 #include "qkv/reference.hpp"
 #include "qkv/tokenizer.hpp"
-#include "qkv/varlen.hpp"
 
 namespace qkv {
 using namespace llama_detail;
@@ -126,18 +126,12 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
     KVCache& cache = m.caches[static_cast<std::size_t>(l)];
     cache.append(k, v);
     try {
-      if (m.options.batch_invariant && ap.kernel == KernelKind::automatic) {
-        // The serving kernel over the cache's first length + S positions (packed [S, H, D] views).
-        const std::int64_t len = m.length + S, cap = cache.capacity();
-        const TensorView q3(qd, DType::f32, {S, m.Hq, m.D}, {N, m.D, 1});
-        (void)cap;
-        const QuantizedKV k3 = cache.quantized_keys(len), v3 = cache.quantized_values(len);
-        const TensorView o3(att.data(), DType::f32, {S, m.Hq, m.D}, {dim, m.D, 1});
-        std::int32_t cq[2] = {0, static_cast<std::int32_t>(S)}, ck[2] = {0, static_cast<std::int32_t>(len)};
-        attention_varlen(q3, k3, v3, o3, TensorView(cq, DType::i32, {2}), TensorView(ck, DType::i32, {2}), ap);
-      } else {
+      // The serving kernel (batch invariant: the bits LlamaBatch computes for this sequence), or
+      // the kernel the dispatcher picks; a quantized cache always attends through the former.
+      if (m.options.batch_invariant && ap.kernel == KernelKind::automatic)
+        cache.attend_varlen(q, o, ap);
+      else
         cache.attend(q, o, ap);
-      }
     } catch (...) {
       for (int r = 0; r <= l; ++r) m.caches[static_cast<std::size_t>(r)].truncate(m.length);
       throw;
@@ -182,20 +176,22 @@ void require_f32_cache(const KVCache& c, const char* what) {
     throw Error(std::string("llama: ") + what + ": expected an f32 KV cache, got formats " +
                 std::string(kv_format_name(c.k_format())) + "/" + std::string(kv_format_name(c.v_format())));
 }
+// Sequence 0's cached positions, [1, Hkv, length, D], as [Hkv, length, D].
+TensorView drop_batch(const TensorView& x) {
+  return TensorView(x.data(), x.dtype(), {x.size(1), x.size(2), x.size(3)}, {x.stride(1), x.stride(2), 1});
+}
 }  // namespace
 
 TensorView Llama::keys(int layer) const {
   const KVCache& c = cache(layer);
   require_f32_cache(c, "keys");
-  return TensorView(c.keys().data(), DType::f32, {impl_->Hkv, impl_->length, impl_->D},
-                    {c.capacity() * impl_->D, impl_->D, 1});
+  return drop_batch(c.active_keys());
 }
 
 TensorView Llama::values(int layer) const {
   const KVCache& c = cache(layer);
   require_f32_cache(c, "values");
-  return TensorView(c.values().data(), DType::f32, {impl_->Hkv, impl_->length, impl_->D},
-                    {c.capacity() * impl_->D, impl_->D, 1});
+  return drop_batch(c.active_values());
 }
 
 Tensor Llama::attention_weights(int layer, std::int64_t pos) const {
