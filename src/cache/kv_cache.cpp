@@ -145,6 +145,7 @@ void KVCache::append(const TensorView& k, const TensorView& v, std::span<const s
   }
   // Row (b, h, len + t) of the storage takes source row S - n + t (ragged batches take their last n rows).
   std::vector<detail::KVStorage::RowWrite> rows;
+  rows.reserve(static_cast<std::size_t>(B_ * Hkv_ * S));
   for (std::int64_t b = 0; b < B_; ++b) {
     const std::int64_t n = counts.empty() ? S : counts[static_cast<std::size_t>(b)];
     const std::int64_t len = lengths_[static_cast<std::size_t>(b)];

@@ -164,6 +164,7 @@ void PagedKVCache::write(const TensorView& k, const TensorView& v, const TensorV
     slots[static_cast<std::size_t>(t)] = s;
   }
   std::vector<detail::KVStorage::RowWrite> rows;
+  rows.reserve(static_cast<std::size_t>(T * Hkv_));
   for (i64 t = 0; t < T; ++t) {
     const i64 s = slots[static_cast<std::size_t>(t)];
     if (s < 0) continue;
