@@ -1,13 +1,11 @@
 """qkv.explain: the five steps of scaled dot-product attention on your q, k, v, as arrays."""
-import numpy as np
-
 from . import _ops, _options, _qkv
 from ._options import ALIGN, LAYOUT, SOFTCAP, WINDOW
 
 KEY_STATUS = ("admitted", "causal/window", "kv_len", "mask")
 
 
-@_ops.keyword_only
+@_options.keyword_only
 def explain(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP,
             mask=None, kv_lens=None, layout=LAYOUT, **unknown):
     """The steps of attention(q, k, v, ...), computed in float64 by the reference specification.
@@ -26,7 +24,7 @@ def explain(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=
     Raises: TypeError / ValueError as qkv.attention, and ValueError above 2^24 scores.
     """
     if positional or unknown:
-        _ops.misuse(explain, positional, unknown)
+        _options.misuse(explain, positional, unknown)
     fw = _ops._framework("q", q)
     _ops._same("k", k, fw, q)
     _ops._same("v", v, fw, q)

@@ -5,11 +5,12 @@ the ratio torch / qkv (> 1: qkv is faster) as a Markdown table.
 Shapes: B = 1, H = 8, D in {64, 128}, S in {1024, 4096}, causal and not, float32 and bfloat16,
 forward and forward + backward; decode (Sq = 1, Sk = 32768, Hq = 8, Hkv in {8, 2}) against
 PyTorch's best of enable_gqa=True and K/V repeated to Hq heads beforehand; the call overhead at
-B = H = S = 1, D = 8: qkv.attention against F.scaled_dot_product_attention, from NumPy arrays and
-from PyTorch tensors without autograd, and from tensors that require grad, the forward alone (the
-graph recorded) and forward + backward. Both libraries use the same threads
-(torch.get_num_threads(), OpenMP's default for qkv). Options: --quick (S = 1024 only, fewer
-repeats), --repeats N, --overhead (the call-overhead rows only), --json FILE.
+B = H = S = 1, D = 8: qkv.attention against F.scaled_dot_product_attention from NumPy arrays,
+from PyTorch tensors without autograd, and from tensors that require grad (the forward alone,
+the graph recorded; forward + backward), timed as the calling thread's CPU time (the rest is
+wall time). Both libraries use the same threads (torch.get_num_threads(), OpenMP's default for
+qkv). Options: --quick (S = 1024 only, fewer repeats), --repeats N, --overhead (the call-overhead
+rows only), --json FILE.
 """
 import argparse
 import json
@@ -35,7 +36,7 @@ def median_time(fn, repeats, warmup=1):
     return statistics.median(times)
 
 
-def paired(fn_qkv, fn_torch, repeats):
+def paired(fn_qkv, fn_torch, repeats, clock=time.perf_counter):
     """Runs the two alternately (qkv, torch, qkv, torch, ...) so that both see the same load on a
     shared machine; returns their medians and the median of the per-pair ratios torch / qkv."""
     fn_qkv()
@@ -43,9 +44,9 @@ def paired(fn_qkv, fn_torch, repeats):
     tq, tt = [], []
     for _ in range(repeats):
         for fn, out in ((fn_qkv, tq), (fn_torch, tt)):
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            out.append(time.perf_counter() - t0)
+            out.append(clock() - t0)
     return statistics.median(tq), statistics.median(tt), statistics.median(b / a for a, b in zip(tq, tt))
 
 
@@ -97,7 +98,9 @@ def decode_rows(row, reps, g):
 
 def call_overhead(row, reps):
     """One call at B = H = S = 1, D = 8, where the time is the call's own: microseconds per call
-    (loops of 1000 calls), qkv.attention against F.scaled_dot_product_attention."""
+    (loops of 1000 calls), qkv.attention against F.scaled_dot_product_attention. Timed as the CPU
+    time of the calling thread, which does all of this work (neither library starts a thread team
+    at this size), so other processes on a shared machine change it little."""
     q = torch.randn(1, 1, 1, 8)
     qn = q.numpy()
     qg = q.clone().requires_grad_()
@@ -106,7 +109,7 @@ def call_overhead(row, reps):
     def per_call(fn_qkv, fn_torch):
         def loop(fn):
             return lambda: [fn() for _ in range(1000)]
-        t_qkv, t_torch, ratio = paired(loop(fn_qkv), loop(fn_torch), reps)
+        t_qkv, t_torch, ratio = paired(loop(fn_qkv), loop(fn_torch), reps, time.thread_time)
         return t_qkv / 1000, t_torch / 1000, ratio
 
     shape = "B=H=S=1 D=8"
