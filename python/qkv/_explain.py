@@ -1,13 +1,13 @@
 """qkv.explain: the five steps of scaled dot-product attention on your q, k, v, as arrays."""
-import numpy as np
-
-from . import _ops, _qkv
+from . import _ops, _options, _qkv
+from ._options import ALIGN, LAYOUT, SOFTCAP, WINDOW
 
 KEY_STATUS = ("admitted", "causal/window", "kv_len", "mask")
 
 
-def explain(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(-1, -1), softcap=0.0, mask=None,
-            kv_lens=None, layout="bhsd"):
+@_options.keyword_only
+def explain(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP,
+            mask=None, kv_lens=None, layout=LAYOUT, **unknown):
     """The steps of attention(q, k, v, ...), computed in float64 by the reference specification.
 
     Source: Vaswani et al. 2017, sec. 3.2.1. Arguments as qkv.attention (NumPy or PyTorch CPU
@@ -23,13 +23,10 @@ def explain(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(
     and "scale", "softcap", "window" (effective (left, right)), "kv_lens".
     Raises: TypeError / ValueError as qkv.attention, and ValueError above 2^24 scores.
     """
+    if positional or unknown:
+        _options.misuse(explain, positional, unknown)
     fw = _ops._framework("q", q)
     _ops._same("k", k, fw, q)
     _ops._same("v", v, fw, q)
-    bshd = _ops._layout(layout)
-    wl, wr = _ops._window(window)
-    scale, softcap, causal = _ops._scalars(scale, softcap, causal)
-    if fw == "torch":
-        q, k, v = _ops._detach(q), _ops._detach(k), _ops._detach(v)
-    return _qkv._trace(q, k, v, bshd, scale, float(softcap), bool(causal), align, wl, wr, _ops._aux("mask", mask, fw),
-                       _ops._aux("kv_lens", kv_lens, fw))
+    opts = _options.options(_options.values(scale, causal, align, window, softcap, layout))
+    return _qkv._trace(q, k, v, _ops.arrays(fw, mask, kv_lens), opts)

@@ -1,7 +1,8 @@
 """qkv.MultiHeadAttention and qkv.KVCache: the C++ layer and cache (qkv/mha.hpp, qkv/kv_cache.hpp)."""
 import numpy as np
 
-from . import _ops, _qkv
+from . import _ops, _options, _qkv
+from ._options import ALIGN, LAYOUT, SOFTCAP, WINDOW
 
 
 def _as_f32_numpy(name, x):
@@ -36,30 +37,30 @@ class KVCache:
     lengths = property(lambda self: self._c.lengths, doc="Cached positions per sequence, [B].")
     max_length = property(lambda self: self._c.max_length)
 
-    def append(self, k, v, *, layout="bhsd"):
+    def append(self, k, v, *, layout=LAYOUT):
         fw = _ops._framework("k", k)
         _ops._framework("v", v)
         if fw == "torch":
             k, v = _ops._detach(k), _ops._detach(v)
         self._c.append(k, v, _ops._layout(layout))
 
-    def attend(self, q, *, causal=False, window=(-1, -1), scale=None, softcap=0.0, mask=None, layout="bhsd",
-               return_lse=False, num_threads=None):
-        """Attention of q [B, Hq, Sq, D] (or BSHD) over the cache; out in q's framework and dtype."""
+    @_options.keyword_only
+    def attend(self, q, *positional, causal=False, window=WINDOW, scale=None, softcap=SOFTCAP, mask=None,
+               layout=LAYOUT, return_lse=False, num_threads=None, **unknown):
+        """Attention of q [B, Hq, Sq, D] (or BSHD) over the cache; out in q's framework and dtype.
+        Options as qkv.attention (bottom-right aligned); TypeError / ValueError as qkv.attention."""
+        if positional or unknown:
+            _options.misuse(KVCache.attend, positional, unknown)
         fw = _ops._framework("q", q)
         _ops._check_float("q", q, fw)
-        bshd = _ops._layout(layout)
-        _ops._check_rank4("q", q, "[B,S,H,D]" if bshd else "[B,H,S,D]")
-        wl, wr = _ops._window(window)
-        scale, softcap, causal = _ops._scalars(scale, softcap, causal)
-        B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if bshd else (q.shape[0], q.shape[2], q.shape[1])
+        opts = _options.options(_options.values(scale, causal, ALIGN, window, softcap, layout,
+                                                num_threads=num_threads))
+        _ops._check_rank4("q", q, "[B,S,H,D]" if opts.bshd else "[B,H,S,D]")
+        B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if opts.bshd else (q.shape[0], q.shape[2], q.shape[1])
         Dv = self._c.head_dim_v
-        out = _ops._empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
+        out = _ops._empty(fw, q, (B, Sq, Hq, Dv) if opts.bshd else (B, Hq, Sq, Dv))
         lse = _ops._empty(fw, q, (B, Hq, Sq), _ops._lse_dtype(fw, q)) if return_lse else None
-        if fw == "torch":
-            q = _ops._detach(q)
-        self._c._attend(q, out, lse, bshd, bool(causal), wl, wr, scale, float(softcap), _ops._aux("mask", mask, fw),
-                        0 if num_threads is None else int(num_threads))
+        self._c._attend(q, out, lse, _ops.arrays(fw, mask, None), opts)
         return (out, lse) if return_lse else out
 
     def clear(self):
@@ -125,29 +126,28 @@ class MultiHeadAttention:
         """The weights as float32 NumPy arrays: w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o (None if absent)."""
         return self._m.weights()
 
-    def __call__(self, x, x_kv=None, *, cache=None, causal=False, window=(-1, -1), scale=None, softcap=0.0,
-                 mask=None, num_threads=None):
+    @_options.keyword_only
+    def __call__(self, x, x_kv=None, *positional, cache=None, causal=False, window=WINDOW, scale=None,
+                 softcap=SOFTCAP, mask=None, num_threads=None, **unknown):
         """y [B, S, d_model] for x [B, S, d_model] (float32, NumPy or PyTorch).
 
         x_kv [B, Sk, d_model]: cross-attention keys/values. cache (a KVCache of this layer's
         B, Hkv, D): x are the newest tokens, appended to the cache before attending (decoding).
         mask: qkv's polarity (bool True = attend, or additive), broadcastable to [B,Hq,Sq,Sk].
+        Options as qkv.attention; TypeError / ValueError as qkv.attention.
         """
+        if positional or unknown:
+            _options.misuse(MultiHeadAttention.__call__, positional, unknown)
         fw = _ops._framework("x", x)
         if x.ndim != 3:
             raise ValueError(f"x: expected rank 3 [B,S,d_model], got rank {x.ndim} {list(x.shape)}")
         y = _ops._empty(fw, x, tuple(x.shape))
-        if fw == "torch":
-            x = _ops._detach(x)
-            x_kv = None if x_kv is None else _ops._detach(x_kv)
-        wl, wr = _ops._window(window)
-        scale, softcap, causal = _ops._scalars(scale, softcap, causal)
-        threads = 0 if num_threads is None else int(num_threads)
+        opts = _options.options(_options.values(scale, causal, window=window, softcap=softcap,
+                                                num_threads=num_threads))
         if cache is not None:
             if mask is not None or x_kv is not None:
                 raise ValueError("cache: a cached call takes neither mask nor x_kv")
-            self._m._forward_cached(x, cache._c, y, bool(causal), wl, wr, scale, float(softcap), threads)
+            self._m._forward_cached(x, cache._c, y, _options.NO_ARRAYS, opts)
         else:
-            self._m._forward(x, x_kv, y, bool(causal), wl, wr, scale, float(softcap), _ops._aux("mask", mask, fw),
-                             threads)
+            self._m._forward(x, x_kv, y, _ops.arrays(fw, mask, None), opts)
         return y

@@ -4,19 +4,18 @@ Arrays reach the C++ library without a copy (NumPy arrays through DLPack or the 
 PyTorch tensors through their data_ptr(), shape and stride(), or through DLPack): any strides are
 accepted provided the last dimension is contiguous; anything else is refused with the C++
 message, never copied behind the caller's back. Outputs are allocated here, in the framework and
-dtype of q, and the C++ call runs with the GIL released.
+dtype of q, and the C++ call runs with the GIL released. The options are checked and handed over
+as one object (qkv/_options.py).
 """
 import math
-import numbers
-import operator
 import sys
 
 import numpy as np
 
-from . import _qkv
+from . import _options, _qkv
+from ._options import ALIGN, KEPT, KERNEL, LAYOUT, NO_ARRAYS, SOFTCAP, WINDOW, keyword_only, misuse, values
 
 _NUMPY_DTYPES = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16))
-_KERNELS = ("auto", "reference", "flash", "decode")
 
 
 def _torch():
@@ -90,7 +89,8 @@ def _torch_objs():
         _TORCH.update({torch.float32: np.float32, torch.float64: np.float64, torch.float16: np.float16,
                        "floats": (torch.float32, torch.float64, torch.float16, torch.bfloat16),
                        "from_numpy": torch.from_numpy, "empty": torch.empty, "empty_like": torch.empty_like,
-                       "Tensor": torch.Tensor, "contiguous_format": torch.contiguous_format})
+                       "Tensor": torch.Tensor, "contiguous_format": torch.contiguous_format,
+                       "is_grad_enabled": torch.is_grad_enabled, "is_compiling": torch.compiler.is_compiling})
     return _TORCH
 
 
@@ -117,68 +117,59 @@ def _lse_dtype(fw, q):
 
 
 def _layout(layout):
-    if layout not in ("bhsd", "bshd"):
-        raise ValueError(f"layout: expected 'bhsd' or 'bshd', got {layout!r}")
-    return layout == "bshd"
-
-
-def _window(window, name="window"):
-    """(left, right) as ints; ValueError naming the argument for anything but a pair of integers
-    (1.7 is refused, not truncated; NumPy and PyTorch integers are integers)."""
-    try:
-        left, right = window
-        if isinstance(left, bool) or isinstance(right, bool):
-            raise TypeError
-        return operator.index(left), operator.index(right)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name}: expected a pair of integers (left, right), got {window!r}") from None
-
-
-def _real(name, x):
-    """A float option (scale, softcap) as a Python float: a real number, or a 0-d NumPy array or
-    PyTorch tensor of a real dtype; TypeError naming it otherwise (a string is not taken)."""
-    if type(x) in (float, int):
-        return float(x)
-    if isinstance(x, numbers.Real) and not isinstance(x, bool):
-        return float(x)
-    if getattr(x, "ndim", None) == 0 and not isinstance(x, (str, bytes)):
-        dt = str(getattr(x, "dtype", ""))
-        if any(t in dt for t in ("float", "int")) and "bool" not in dt:
-            return float(x)
-    raise TypeError(f"{name}: expected a real number, got {type(x).__name__} {x!r}")
-
-
-def _scalars(scale, softcap, causal):
-    """(scale, softcap, causal) checked by type: scale None or a real, softcap a real, causal a bool."""
-    return None if scale is None else _real("scale", scale), _real("softcap", softcap), _flag("causal", causal)
-
-
-def _flag(name, x):
-    """A bool option (causal): a bool (NumPy's too) or the integers 0 and 1; TypeError naming it
-    otherwise (a string such as "no" would otherwise read as True)."""
-    if isinstance(x, (bool, np.bool_)) or (type(x) is int and x in (0, 1)):
-        return bool(x)
-    raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
-
-
-def _dims(q, k, v, bshd):
-    """(B, Hq, Sq, Sk, Dv) read from the arrays in their layout."""
-    qs = q.shape  # read once: a torch.Size is built on each access
-    if bshd:
-        return qs[0], qs[2], qs[1], k.shape[1], v.shape[3]
-    return qs[0], qs[1], qs[2], k.shape[2], v.shape[3]
+    """The `bshd` flag of a layout outside the attention options (KVCache.append)."""
+    return _options._choice(None, "layout", layout) == "bshd"
 
 
 def _detach(x):
     return x.detach() if x.requires_grad else x
 
 
-def _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_lens, kernel, threads,
-             want_lse, want_probs):
+def _tensors(q, k, v):
+    """The framework of q, k, v ('numpy' or 'torch'): arrays of one framework and one float dtype,
+    tensors on the CPU; TypeError / ValueError naming the one that is not."""
+    # The common case is checked with a few comparisons (a call costs microseconds); the helpers
+    # run, and raise with the full message, only when something differs.
+    if type(q) is np.ndarray:
+        fw = "numpy"
+        if q.dtype not in _NUMPY_DTYPES:
+            _check_float("q", q, fw)
+    elif _TORCH and type(q) is _TORCH["Tensor"] and q.dtype in _TORCH["floats"] and q.is_cpu:
+        fw = "torch"
+    else:
+        fw = _framework("q", q)
+        _check_float("q", q, fw)
+    if type(k) is not type(q) or k.dtype != q.dtype:
+        _same("k", k, fw, q)
+    if type(v) is not type(q) or v.dtype != q.dtype:
+        _same("v", v, fw, q)
+    if fw == "torch" and not (k.is_cpu and v.is_cpu):
+        _same("k", k, fw, q)  # raises ValueError naming the one not on the CPU
+        _same("v", v, fw, q)
+    return fw
+
+
+def _ranks(q, k, v, layout):
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            _check_rank4(name, x, "[B,S,H,D]" if layout == "bshd" else "[B,H,S,D]")
+
+
+def arrays(fw, mask, kv_lens, names=None, differentiable=False):
+    """The array options as the tuple the C++ entry points take (_options.ARRAY_OPTIONS' order), each
+    checked by _aux; differentiable: the call computes gradients, so a mask that requires grad is
+    refused rather than silently given none."""
+    if mask is None and kv_lens is None:
+        return NO_ARRAYS
+    return (_aux(_options._named(names, "mask"), mask, fw, refuse_grad=differentiable), _aux("kv_lens", kv_lens, fw))
+
+
+def _forward(q, k, v, fw, arrays, opts, want_lse, want_probs):
     """Runs the C++ forward on checked inputs; returns (out, lse or None, probs or None)."""
-    B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
+    qs = q.shape  # read once: a torch.Size is built on each access
+    Dv = v.shape[3]
     out = None
-    if fw == "torch" and Dv == q.shape[3]:
+    if fw == "torch" and Dv == qs[3]:
         fns = _TORCH or _torch_objs()
         if type(q) is fns["Tensor"]:
             # q's shape and dtype (a plain tensor on the CPU): the cheapest allocation of the output
@@ -186,24 +177,61 @@ def _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_
                 out = fns["empty_like"](q, memory_format=fns["contiguous_format"])
             except RuntimeError:  # a layout without strides: refused by the C++ call, with its name
                 pass
+    elif fw == "numpy":
+        out = np.empty((qs[0], qs[1], qs[2], Dv), q.dtype)  # [B, Hq, Sq, Dv] or [B, Sq, Hq, Dv]: q's layout
     if out is None:
-        out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
-    lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q)) if want_lse else None
-    probs = _empty(fw, q, (B, Hq, Sq, Sk), _lse_dtype(fw, q)) if want_probs else None
-    _qkv._attention(q, k, v, out, lse, probs, bshd, scale, softcap, causal, align, wl, wr, mask, kv_lens,
-                    kernel, threads)
+        out = _empty(fw, q, (qs[0], qs[1], qs[2], Dv))
+    lse = probs = None
+    if want_lse or want_probs:
+        bshd = opts.bshd
+        B, Hq, Sq, Sk = (qs[0], qs[2], qs[1], k.shape[1]) if bshd else (qs[0], qs[1], qs[2], k.shape[2])
+        lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q)) if want_lse else None
+        probs = _empty(fw, q, (B, Hq, Sq, Sk), _lse_dtype(fw, q)) if want_probs else None
+    _qkv._attention(q, k, v, out, lse, probs, arrays, opts)
     return out, lse, probs
 
 
-def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(-1, -1), softcap=0.0,
-              mask=None, kv_lens=None, layout="bhsd", return_lse=False, return_probs=False, kernel="auto",
-              num_threads=None):
+def _run(q, k, v, fw, arrays, key, want_lse, want_probs):
+    """(out, lse or None, probs or None) of checked inputs and a values() key: tensors that require
+    grad (with grad enabled) and calls inside torch.compile take qkv.torch's differentiable paths,
+    everything else the C++ forward directly."""
+    if fw == "torch":
+        fns = _TORCH or _torch_objs()
+        if (fns["is_grad_enabled"]() and (q.requires_grad or k.requires_grad or v.requires_grad)) or \
+                fns["is_compiling"]():
+            if want_probs:
+                raise ValueError("return_probs: the attention weights are not differentiable; "
+                                 "call with return_probs=True under torch.no_grad()")
+            out, lse = _differentiable(q, k, v, arrays, key)
+            return out, lse, None
+    return _forward(q, k, v, fw, arrays, KEPT.get(key) or _options.options(key), want_lse, want_probs)
+
+
+def _differentiable(q, k, v, arrays, key):
+    """qkv.torch._differentiable, which replaces this function when qkv.torch is imported (here on
+    the first differentiable call: PyTorch is never imported by qkv itself)."""
+    from . import torch as qtorch
+    return qtorch._differentiable(q, k, v, arrays, key)
+
+
+def _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays, opts, grad_dtype=None):
+    """Runs the C++ backward on checked inputs; returns (dq, dk, dv) in grad_dtype (None: q's)."""
+    dq, dk, dv = (_empty(fw, q, x.shape, grad_dtype) for x in (q, k, v))
+    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq, dk, dv, arrays, opts)
+    return dq, dk, dv
+
+
+@keyword_only
+def attention(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP,
+              mask=None, kv_lens=None, layout=LAYOUT, return_lse=False, return_probs=False, kernel=KERNEL,
+              num_threads=None, **unknown):
     """Scaled dot-product attention, O = softmax(mask(softcap(scale * Q K^T))) V, per head.
 
     Source: Vaswani et al. 2017, "Attention Is All You Need", sec. 3.2.1; the tiled kernel is
     FlashAttention-2's (Dao 2023, Alg. 1). Semantics of every option: docs/semantics.md.
 
-    Args (arrays: numpy.ndarray or torch.Tensor on the CPU, all of one framework):
+    Args (arrays: numpy.ndarray or torch.Tensor on the CPU, all of one framework; every option is
+      keyword-only):
       q: [B, Hq, Sq, D] (layout "bhsd") or [B, Sq, Hq, D] ("bshd"); float32, float64, float16,
         or bfloat16 (PyTorch). Any strides with a contiguous last dimension: never copied.
       k: [B, Hkv, Sk, D] / [B, Sk, Hkv, D], Hq % Hkv == 0 (GQA/MQA); q's dtype.
@@ -225,86 +253,40 @@ def attention(q, k, v, *, scale=None, causal=False, align="bottom-right", window
     Returns:
       out [B, Hq, Sq, Dv] (or [B, Sq, Hq, Dv]) in q's framework and dtype; with return_lse and/or
       return_probs a tuple (out, softmax_lse, probs) holding those asked for. PyTorch tensors that
-      require grad (or a call inside torch.compile) go through the custom operator qkv::attention,
-      which is differentiable.
+      require grad (with grad enabled) are differentiable (FlashAttention-2's backward); inside
+      torch.compile the call is the custom operator torch.ops.qkv.attention.
 
     Raises:
       TypeError: an argument that is not a NumPy array or PyTorch tensor, arrays of different
-        frameworks or dtypes, an unsupported dtype; scale or softcap not a real number, causal
-        not a bool.
+        frameworks or dtypes, an unsupported dtype; an option passed by position or a keyword
+        attention() does not take (naming it, and the option meant for a misspelling); scale or
+        softcap not a real number, causal not a bool, num_threads not an integer.
       ValueError: with the C++ message (argument, expected, actual): a tensor not on the CPU, a
         rank other than 4, a non-contiguous last dimension, mismatched shapes, a bad mask or
         kv_lens shape, a window that is not a pair of integers, a bad option value.
       NotImplementedError: a mask that requires grad, with grad enabled (qkv computes no mask
         gradient).
     """
-    # The common case is checked with a few comparisons (a call costs microseconds); the helpers
-    # run, and raise with the full message, only when something differs.
-    if type(q) is np.ndarray:
-        fw = "numpy"
-        if q.dtype not in _NUMPY_DTYPES:
-            _check_float("q", q, fw)
-    elif _TORCH and type(q) is _TORCH["Tensor"] and q.dtype in _TORCH["floats"] and q.is_cpu:
-        fw = "torch"
-    else:
-        fw = _framework("q", q)
-        _check_float("q", q, fw)
-    if type(k) is not type(q) or k.dtype != q.dtype:
-        _same("k", k, fw, q)
-    if type(v) is not type(q) or v.dtype != q.dtype:
-        _same("v", v, fw, q)
-    if fw == "torch" and not (k.is_cpu and v.is_cpu):
-        _same("k", k, fw, q)  # raises ValueError naming the one not on the CPU
-        _same("v", v, fw, q)
-    bshd = False if layout == "bhsd" else _layout(layout)
-    wl, wr = (-1, -1) if type(window) is tuple and window == (-1, -1) else _window(window)
-    if scale is not None and type(scale) is not float:
-        scale = _real("scale", scale)
-    if type(softcap) is not float:
-        softcap = _real("softcap", softcap)
-    if type(causal) is not bool:
-        causal = _flag("causal", causal)
+    if positional or unknown:
+        misuse(attention, positional, unknown)
+    fw = _tensors(q, k, v)
+    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        for name, x in (("q", q), ("k", k), ("v", v)):
-            _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
-    if mask is not None:
-        mask = _aux("mask", mask, fw, refuse_grad=True)
-    if kv_lens is not None:
-        kv_lens = _aux("kv_lens", kv_lens, fw)
-    threads = 0 if num_threads is None else int(num_threads)
-    if kernel != "auto" and kernel not in _KERNELS:
-        raise ValueError(f"kernel: expected one of {', '.join(_KERNELS)}, got {kernel!r}")
-    if fw == "torch":
-        torch = _torch()
-        if ((q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()) or \
-                torch.compiler.is_compiling():
-            if return_probs:
-                raise ValueError("return_probs: the attention weights are not differentiable; "
-                                 "call with return_probs=True under torch.no_grad()")
-            from . import torch as qtorch
-            out, lse = qtorch._attention_op(q, k, v, mask, kv_lens,
-                                            float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1]),
-                                            bool(causal), _align(align), wl, wr, float(softcap), bshd, kernel,
-                                            threads)
-            return (out, lse) if return_lse else out
-    out, lse, probs = _forward(q, k, v, fw, bshd, scale, causal, align, wl, wr, softcap, mask, kv_lens,
-                               kernel, threads, return_lse, return_probs)
+        _ranks(q, k, v, layout)
+    arr = NO_ARRAYS if mask is None and kv_lens is None else arrays(fw, mask, kv_lens, differentiable=True)
+    if fw == "numpy":  # never differentiable: straight to the C++ call
+        out, lse, probs = _forward(q, k, v, fw, arr, KEPT.get(key) or _options.options(key), return_lse, return_probs)
+    else:
+        out, lse, probs = _run(q, k, v, fw, arr, key, return_lse, return_probs)
     if not (return_lse or return_probs):
         return out
     return (out,) + ((lse,) if return_lse else ()) + ((probs,) if return_probs else ())
 
 
-def _align(align):
-    if align in ("top-left", "top_left"):
-        return True
-    if align in ("bottom-right", "bottom_right"):
-        return False
-    raise ValueError(f"align: expected 'bottom-right' or 'top-left', got {align!r}")
-
-
-def attention_backward(q, k, v, out, softmax_lse, grad_out, *, scale=None, causal=False, align="bottom-right",
-                       window=(-1, -1), softcap=0.0, mask=None, kv_lens=None, layout="bhsd", grad_dtype=None,
-                       kernel="auto", num_threads=None):
+@keyword_only
+def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=None, causal=False,
+                       align=ALIGN, window=WINDOW, softcap=SOFTCAP, mask=None, kv_lens=None, layout=LAYOUT,
+                       grad_dtype=None, kernel=KERNEL, num_threads=None, **unknown):
     """The gradients (dq, dk, dv) of a loss L given grad_out = dL/dout (FlashAttention-2 backward).
 
     Source: Dao 2023, "FlashAttention-2", Algorithm 2, with P recomputed from softmax_lse:
@@ -322,44 +304,29 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *, scale=None, causa
     Raises: TypeError / ValueError as attention(), and ValueError for out, softmax_lse or
       grad_out of the wrong shape, kernel="decode", or kernel="flash" with float64 inputs.
     """
-    fw = _framework("q", q)
-    _check_float("q", q, fw)
-    _same("k", k, fw, q)
-    _same("v", v, fw, q)
-    bshd = _layout(layout)
-    wl, wr = _window(window)
-    scale, softcap, causal = _scalars(scale, softcap, causal)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
+    if positional or unknown:
+        misuse(attention_backward, positional, unknown)
+    fw = _tensors(q, k, v)
+    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
+    _ranks(q, k, v, layout)
     for name, x in (("out", out), ("softmax_lse", softmax_lse), ("grad_out", grad_out)):
         if _framework(name, x) != fw:
             raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
-    mask = _aux("mask", mask, fw)
-    kv_lens = _aux("kv_lens", kv_lens, fw)
-    if kernel not in _KERNELS:
-        raise ValueError(f"kernel: expected one of {', '.join(_KERNELS)}, got {kernel!r}")
-    gd = grad_dtype if grad_dtype is not None else q.dtype
-    dq, dk, dv = _empty(fw, q, q.shape, gd), _empty(fw, q, k.shape, gd), _empty(fw, q, v.shape, gd)
-    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq, dk, dv, bshd, scale, softcap, causal,
-                             align, wl, wr, mask, kv_lens, kernel, 0 if num_threads is None else int(num_threads))
-    return dq, dk, dv
+    return _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays(fw, mask, kv_lens),
+                     KEPT.get(key) or _options.options(key), grad_dtype)
 
 
-def explain_dispatch(q, k, v, *, scale=None, causal=False, align="bottom-right", window=(-1, -1), softcap=0.0,
-                     mask=None, kv_lens=None, layout="bhsd", kernel="auto", num_threads=None):
-    """Which kernel attention() runs for these arguments and why the others refuse (one line each)."""
-    fw = _framework("q", q)
-    _same("k", k, fw, q)
-    _same("v", v, fw, q)
-    bshd = _layout(layout)
-    wl, wr = _window(window)
-    scale, softcap, causal = _scalars(scale, softcap, causal)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
-    B, Hq, Sq, Sk, Dv = _dims(q, k, v, bshd)
-    out = _empty(fw, q, (B, Sq, Hq, Dv) if bshd else (B, Hq, Sq, Dv))
-    if fw == "torch":
-        q, k, v = _detach(q), _detach(k), _detach(v)
-    return _qkv._explain_dispatch(q, k, v, out, bshd, scale, softcap, causal, align, wl, wr,
-                                  _aux("mask", mask, fw), _aux("kv_lens", kv_lens, fw), kernel,
-                                  0 if num_threads is None else int(num_threads))
+@keyword_only
+def explain_dispatch(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW,
+                     softcap=SOFTCAP, mask=None, kv_lens=None, layout=LAYOUT, kernel=KERNEL, num_threads=None, **unknown):
+    """Which kernel attention() runs for these arguments and why the others refuse (one line each).
+
+    Args and Raises: as attention()."""
+    if positional or unknown:
+        misuse(explain_dispatch, positional, unknown)
+    fw = _tensors(q, k, v)
+    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
+    _ranks(q, k, v, layout)
+    qs = q.shape
+    out = _empty(fw, q, (qs[0], qs[1], qs[2], v.shape[3]))
+    return _qkv._explain_dispatch(q, k, v, out, arrays(fw, mask, kv_lens), KEPT.get(key) or _options.options(key))

@@ -10,39 +10,75 @@
 
 Tensors must be on the CPU; they are passed to the C++ library without a copy.
 """
-import math
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 
-from . import _ops, _qkv
+from . import _ops, _options
+from ._options import ALIGN, ARRAY_OPTIONS, FIELDS, KEPT, LAYOUT, NAMES, SOFTCAP, WINDOW
 
 __all__ = ["scaled_dot_product_attention", "flash_attn_func"]
 
+# The operators' schemas come from the option tables of qkv/_options.py: the tensors first (q, k,
+# v, then each array option, optional, in ARRAY_OPTIONS' order), then every scalar option as a
+# keyword-only argument with its default. An option added to the tables is one more optional
+# tensor after the last one or one more keyword: no existing argument moves, and a call or a saved
+# graph that does not name it keeps its meaning. The autograd formula returns one gradient per
+# tensor argument: q, k, v, and for each array option its gradient or None (ARRAY_OPTIONS says).
+_ARRAY_NAMES = tuple(name for name, _ in ARRAY_OPTIONS)
+_DEFAULTS = {name: default for name, _, default in FIELDS}
 
-def _run_forward(q, k, v, mask, kv_lens, scale, causal, top_left, window_left, window_right, softcap, bshd,
-                 kernel, num_threads):
-    out, lse, _ = _ops._forward(q, k, v, "torch", bshd, scale, causal, "top-left" if top_left else "bottom-right",
-                                window_left, window_right, softcap,
-                                None if mask is None else mask.detach(),
-                                None if kv_lens is None else kv_lens.detach(), kernel, num_threads, True, False)
+
+def _schema_default(x):
+    return f'"{x}"' if isinstance(x, str) else str(x)
+
+
+_ARRAY_ARGS = "".join(f", Tensor? {name}=None" for name in _ARRAY_NAMES)
+_FIELD_ARGS = ", ".join(f"{kind} {name}={_schema_default(default)}" for name, kind, default in FIELDS)
+_GRADS = ", ".join(["Tensor"] * (3 + sum(grad for _, grad in ARRAY_OPTIONS)))
+_FORWARD_SCHEMA = f"(Tensor q, Tensor k, Tensor v{_ARRAY_ARGS}, *, {_FIELD_ARGS}) -> (Tensor, Tensor)"
+_BACKWARD_SCHEMA = (f"(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse{_ARRAY_ARGS}, "
+                    f"*, {_FIELD_ARGS}) -> ({_GRADS})")
+
+
+def _key(kwargs):
+    """The options key of an operator's keyword arguments (the dispatcher may leave out defaults)."""
+    return tuple(kwargs.get(name, default) for name, default in _DEFAULTS.items())
+
+
+def _padded(arrays):
+    """The array options of an operator call, one per ARRAY_OPTIONS (trailing defaults may be absent)."""
+    return arrays + (None,) * (len(_ARRAY_NAMES) - len(arrays))
+
+
+def _input_grads(grads):
+    """The gradients of the tensor arguments, from the backward's (dq, dk, dv, then one per array
+    option that gets a gradient): None for the others."""
+    rest = iter(grads[3:])
+    return (*grads[:3], *(next(rest) if grad else None for _, grad in ARRAY_OPTIONS))
+
+
+_KERNEL = NAMES.index("kernel_name")
+
+
+def _backward_key(key):
+    """The options of a forward's backward: the decode kernel has no backward, and every other
+    gives the same gradients, so a forward forced onto it runs its backward on the automatic one."""
+    return key if key[_KERNEL] != "decode" else tuple("auto" if i == _KERNEL else x for i, x in enumerate(key))
+
+
+def _attention_impl(q, k, v, *arrays, **kwargs):
+    key = _key(kwargs)
+    out, lse, _ = _ops._forward(q, k, v, "torch", _padded(arrays), KEPT.get(key) or _options.options(key), True, False)
     return out, lse
 
 
-@torch.library.custom_op("qkv::attention", mutates_args=(), device_types="cpu")
-def _attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], kv_lens: Optional[Tensor],
-                  scale: float, causal: bool, top_left: bool, window_left: int, window_right: int,
-                  softcap: float, bshd: bool, kernel: str, num_threads: int) -> Tuple[Tensor, Tensor]:
-    """qkv.attention as an operator: returns (out, softmax_lse)."""
-    return _run_forward(q, k, v, mask, kv_lens, scale, causal, top_left, window_left, window_right, softcap,
-                        bshd, kernel, num_threads)
+_attention_op = torch.library.custom_op("qkv::attention", _attention_impl, mutates_args=(), device_types="cpu",
+                                        schema=_FORWARD_SCHEMA)
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, mask, kv_lens, scale, causal, top_left, window_left, window_right, softcap, bshd,
-                    kernel, num_threads):
-    if bshd:
+def _attention_fake(q, k, v, *arrays, **kwargs):
+    if kwargs.get("layout", "bhsd") == "bshd":
         B, Sq, Hq, _ = q.shape
         out = q.new_empty((B, Sq, Hq, v.shape[-1]))
     else:
@@ -52,68 +88,96 @@ def _attention_fake(q, k, v, mask, kv_lens, scale, causal, top_left, window_left
     return out, lse
 
 
-@torch.library.custom_op("qkv::attention_backward", mutates_args=(), device_types="cpu")
-def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                           mask: Optional[Tensor], kv_lens: Optional[Tensor], scale: float, causal: bool,
-                           top_left: bool, window_left: int, window_right: int, softcap: float, bshd: bool,
-                           kernel: str, num_threads: int) -> Tuple[Tensor, Tensor, Tensor]:
-    """qkv.attention_backward as an operator: returns (dq, dk, dv) in q's dtype."""
-    if kernel == "decode":
-        kernel = "auto"  # the decode kernel has no backward; any other gives the same gradients
-    return _ops.attention_backward(q, k, v, out, lse, grad_out, scale=scale, causal=causal,
-                                   align="top-left" if top_left else "bottom-right",
-                                   window=(window_left, window_right), softcap=softcap, mask=mask,
-                                   kv_lens=kv_lens, layout="bshd" if bshd else "bhsd", kernel=kernel,
-                                   num_threads=num_threads)
+def _attention_backward_impl(grad_out, q, k, v, out, softmax_lse, *arrays, **kwargs):
+    key = _key(kwargs)
+    return _ops._backward(q, k, v, out, softmax_lse, grad_out, "torch", _padded(arrays),
+                          KEPT.get(key) or _options.options(key))
+
+
+_attention_backward_op = torch.library.custom_op("qkv::attention_backward", _attention_backward_impl, mutates_args=(),
+                                                 device_types="cpu", schema=_BACKWARD_SCHEMA)
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(grad_out, q, k, v, out, lse, mask, kv_lens, scale, causal, top_left, window_left,
-                             window_right, softcap, bshd, kernel, num_threads):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), \
-        torch.empty_like(k, memory_format=torch.contiguous_format), \
-        torch.empty_like(v, memory_format=torch.contiguous_format)
+def _attention_backward_fake(grad_out, q, k, v, out, softmax_lse, *arrays, **kwargs):
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, mask, kv_lens, *opts = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, mask, kv_lens)
-    ctx.opts = opts
+def _contiguous_rows(grad_out):
+    # e.g. the expanded gradient of a .sum(): the kernel needs a contiguous last dimension
+    return grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+
+
+def _setup_context(ctx, inputs, keyword_only_inputs, output):
+    ctx.save_for_backward(*inputs, *output)
+    ctx.fields = keyword_only_inputs
 
 
 def _backward(ctx, grad_out, grad_lse):
     # softmax_lse is returned for inspection (as FlashAttention's); its gradient is not propagated.
-    q, k, v, out, lse, mask, kv_lens = ctx.saved_tensors
-    if grad_out.stride(-1) != 1:  # e.g. the expanded gradient of a .sum(): the kernel needs stride 1
-        grad_out = grad_out.contiguous()
-    dq, dk, dv = _attention_backward_op(grad_out, q, k, v, out, lse, mask, kv_lens, *ctx.opts)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+    q, k, v, *arrays, out, lse = ctx.saved_tensors
+    fields = dict(zip(NAMES, _backward_key(_key(ctx.fields))))
+    return _input_grads(_attention_backward_op(_contiguous_rows(grad_out), q, k, v, out, lse, *arrays, **fields))
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _attention(q, k, v, *, mask=None, kv_lens=None, scale=None, causal=False, top_left=False, window=(-1, -1),
-               softcap=0.0, bshd=False, kernel="auto", num_threads=0, names=("scale", "causal", "window", "mask")):
-    """Differentiable attention through the custom operator; returns (out, softmax_lse). names:
-    the caller's names of scale, causal, window and mask, for the error messages."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _ops._framework(name, x)
-        _ops._check_rank4(name, x, "[B,S,H,D]" if bshd else "[B,H,S,D]")
-    _ops._check_float("q", q, "torch")
-    _ops._same("k", k, "torch", q)
-    _ops._same("v", v, "torch", q)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else _ops._real(names[0], scale)
-    causal = _ops._flag(names[1], causal)
-    wl, wr = _ops._window(window, names[2])
-    return _attention_op(q, k, v, _ops._aux(names[3], mask, "torch", refuse_grad=True),
-                         _ops._aux("kv_lens", kv_lens, "torch"), scale, causal, bool(top_left), wl, wr,
-                         _ops._real("softcap", softcap), bool(bshd), kernel, int(num_threads))
+class _Attention(torch.autograd.Function):
+    """qkv.attention under eager autograd: the operators' forward and backward without the
+    dispatcher's Python layers (which cost tens of microseconds a call, most of it in filling in
+    the schema's defaults). apply(q, k, v, *arrays (ARRAY_OPTIONS' order), options key); the
+    graph keeps the key, not the Options (the extension's objects are all gone at exit)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, *rest):
+        arrays, key = rest[:-1], rest[-1]
+        out, lse, _ = _ops._forward(q, k, v, "torch", arrays, KEPT.get(key) or _options.options(key), True, False)
+        ctx.save_for_backward(q, k, v, out, lse, *arrays)
+        ctx.key = key
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, *arrays = ctx.saved_tensors
+        key = _backward_key(ctx.key)
+        grads = _ops._backward(q, k, v, out, lse, _contiguous_rows(grad_out), "torch", tuple(arrays),
+                               KEPT.get(key) or _options.options(key))
+        return (*_input_grads(grads), None)  # None: the options key
 
 
+def _differentiable(q, k, v, arrays, key):
+    """(out, softmax_lse) of checked tensors, arrays (ARRAY_OPTIONS' order) and an options key,
+    recorded for autograd. torch.compile, torch.func transforms, dispatch modes (FakeTensor,
+    make_fx) and tensor subclasses see the custom operator; plain eager autograd runs _Attention."""
+    if torch.compiler.is_compiling() or type(q) not in (Tensor, torch.nn.Parameter) or \
+            torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack():
+        return _attention_op(q, k, v, *arrays, **dict(zip(NAMES, key)))
+    return _Attention.apply(q, k, v, *arrays, key)
+
+
+_ops._differentiable = _differentiable
+
+
+def _call(q, k, v, names, mask=None, scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP,
+          layout=LAYOUT):
+    """(out, softmax_lse) of the drop-in functions' arguments (names: their names of the options)."""
+    if _ops._tensors(q, k, v) != "torch":
+        raise TypeError(f"q: expected a torch.Tensor, got {type(q).__module__}.{type(q).__name__}")
+    key = _options.values(scale, causal, align, window, softcap, layout, names=names)
+    _ops._ranks(q, k, v, layout)
+    out, lse, _ = _ops._run(q, k, v, "torch", _ops.arrays("torch", mask, None, names, differentiable=True), key,
+                            True, False)
+    return out, lse
+
+
+_SDPA_NAMES = {"causal": "is_causal", "mask": "attn_mask"}
+_FLASH_NAMES = {"scale": "softmax_scale", "window": "window_size"}
+
+
+@_options.keyword_only
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False):
+                                 enable_gqa=False, **unknown):
     """torch.nn.functional.scaled_dot_product_attention on qkv's kernels (forward and backward).
 
     Semantics are PyTorch's: query [B, Hq, L, E], key [B, Hkv, S, E], value [B, Hkv, S, Ev]
@@ -126,8 +190,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Raises: NotImplementedError for dropout_p > 0 and for an attn_mask that requires grad (qkv
     computes no mask gradient); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
-    without enable_gqa, and everything qkv.attention refuses.
+    without enable_gqa, and everything qkv.attention refuses; TypeError for a keyword this
+    function does not take (naming it, and the one meant for a misspelling).
     """
+    if unknown:
+        _options.misuse(scaled_dot_product_attention, (), unknown)
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout_p: qkv does not implement attention dropout, got dropout_p = {dropout_p}")
     if is_causal and attn_mask is not None:
@@ -143,13 +210,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"key: expected num_kv_heads == num_heads ({query.shape[1]}) without enable_gqa=True, "
                          f"got {key.shape[1]}")
-    out, _ = _attention(query, key, value, mask=attn_mask, scale=scale, causal=is_causal, top_left=True,
-                        names=("scale", "is_causal", "window", "attn_mask"))
+    out, _ = _call(query, key, value, _SDPA_NAMES, mask=attn_mask, scale=scale, causal=is_causal, align="top-left")
     return out.squeeze(1) if squeeze else out
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+@_options.keyword_only
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=WINDOW, softcap=SOFTCAP,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, **unknown):
     """FlashAttention's flash_attn_func on qkv's kernels (forward and backward).
 
     Semantics are FlashAttention 2's: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]
@@ -165,15 +232,17 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     2's CUDA kernel writes +inf there).
 
     Raises: NotImplementedError for dropout_p > 0 or alibi_slopes given (naming the argument);
-    ValueError/TypeError as qkv.attention.
+    ValueError/TypeError as qkv.attention; TypeError for a keyword this function does not take.
     """
+    if unknown:
+        _options.misuse(flash_attn_func, (), unknown)
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout_p: qkv does not implement attention dropout, got dropout_p = {dropout_p}")
     if alibi_slopes is not None:
         raise NotImplementedError("alibi_slopes: qkv does not implement ALiBi biases (pass an additive mask to "
                                   "qkv.attention instead)")
-    out, lse = _attention(q, k, v, scale=softmax_scale, causal=causal, window=window_size, softcap=softcap, bshd=True,
-                          names=("softmax_scale", "causal", "window_size", "mask"))
+    out, lse = _call(q, k, v, _FLASH_NAMES, scale=softmax_scale, causal=causal, window=window_size, softcap=softcap,
+                     layout="bshd")
     if return_attn_probs:
         return out, lse, None
     return out

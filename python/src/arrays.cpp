@@ -51,14 +51,6 @@ TensorView view_impl(const char* name, const A& a) {
 
 TensorView view_of(const char* name, const InArray& a) { return view_impl(name, a); }
 TensorView view_of(const char* name, const OutArray& a) { return view_impl(name, a); }
-std::optional<TensorView> view_of(const char* name, const std::optional<InArray>& a) {
-  if (!a) return std::nullopt;
-  return view_impl(name, *a);
-}
-std::optional<TensorView> view_of(const char* name, const std::optional<OutArray>& a) {
-  if (!a) return std::nullopt;
-  return view_impl(name, *a);
-}
 
 namespace {
 template <class T>

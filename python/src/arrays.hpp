@@ -25,8 +25,6 @@ using OutArray = nb::ndarray<>;
 ///         that is not in CPU memory.
 TensorView view_of(const char* name, const InArray& a);
 TensorView view_of(const char* name, const OutArray& a);
-std::optional<TensorView> view_of(const char* name, const std::optional<InArray>& a);
-std::optional<TensorView> view_of(const char* name, const std::optional<OutArray>& a);
 
 /// The arguments of one call, each an array object: a PyTorch tensor read through its own
 /// accessors (data_ptr(), shape, stride(): the cheapest way without a copy; a sparse layout or a

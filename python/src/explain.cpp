@@ -5,13 +5,11 @@
 #include <string>
 #include <vector>
 
-#include <nanobind/stl/optional.h>
-#include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include "arrays.hpp"
 #include "bindings.hpp"
-#include "qkv/error.hpp"
+#include "options.hpp"
 #include "qkv/explain.hpp"
 
 namespace qkv::python {
@@ -19,26 +17,10 @@ namespace qkv::python {
 void bind_explain(nb::module_& m) {
   m.def(
       "_trace",
-      [](const InArray& q, const InArray& k, const InArray& v, bool bshd, std::optional<double> scale,
-         double softcap, bool causal, const std::string& align, std::int64_t window_left,
-         std::int64_t window_right, const std::optional<InArray>& mask, const std::optional<InArray>& kv_lens) {
-        AttentionParams p;
-        p.scale = scale;
-        p.softcap = softcap;
-        p.causal = causal;
-        if (align == "bottom-right" || align == "bottom_right") p.align = Alignment::bottom_right;
-        else if (align == "top-left" || align == "top_left") p.align = Alignment::top_left;
-        else throw Error("align: expected 'bottom-right' or 'top-left', got '" + align + "'");
-        p.window_left = window_left;
-        p.window_right = window_right;
-        p.mask = view_of("mask", mask);
-        p.kv_lens = view_of("kv_lens", kv_lens);
-        TensorView qv = view_of("q", q), kv = view_of("k", k), vv = view_of("v", v);
-        if (bshd && qv.rank() == 4 && kv.rank() == 4 && vv.rank() == 4) {
-          qv = qv.permute({0, 2, 1, 3});
-          kv = kv.permute({0, 2, 1, 3});
-          vv = vv.permute({0, 2, 1, 3});
-        }
+      [](nb::handle q, nb::handle k, nb::handle v, nb::handle arrays, const Options& o) {
+        CallArrays a;
+        const AttentionParams p = params_of(o, a, arrays);
+        const TensorView qv = as_bhsd(a.in("q", q), o), kv = as_bhsd(a.in("k", k), o), vv = as_bhsd(a.in("v", v), o);
         explain::Trace t;
         {
           nb::gil_scoped_release release;
@@ -63,6 +45,7 @@ void bind_explain(nb::module_& m) {
         d["kv_lens"] = t.kv_lens.empty() ? nb::list() : nb::cast(std::vector<std::int64_t>(t.kv_lens));
         return d;
       },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("arrays"), nb::arg("options"),
       "qkv::explain::trace_attention as a dict of NumPy arrays (use qkv.explain).");
 }
 

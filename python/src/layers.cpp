@@ -15,6 +15,7 @@
 
 #include "arrays.hpp"
 #include "bindings.hpp"
+#include "options.hpp"
 #include "qkv/error.hpp"
 #include "qkv/kv_cache.hpp"
 #include "qkv/mha.hpp"
@@ -29,20 +30,6 @@ DType dtype_named(const std::string& name) {
   if (name == "float16") return DType::f16;
   if (name == "bfloat16") return DType::bf16;
   throw Error("dtype: expected 'float32', 'float64', 'float16' or 'bfloat16', got '" + name + "'");
-}
-
-AttentionParams layer_params(bool causal, std::int64_t window_left, std::int64_t window_right,
-                             std::optional<double> scale, double softcap, const std::optional<InArray>& mask,
-                             int num_threads) {
-  AttentionParams p;
-  p.causal = causal;
-  p.window_left = window_left;
-  p.window_right = window_right;
-  p.scale = scale;
-  p.softcap = softcap;
-  p.mask = view_of("mask", mask);
-  p.num_threads = num_threads;
-  return p;
 }
 
 nb::object numpy_of_view(const TensorView& v) {
@@ -89,19 +76,15 @@ void bind_layers(nb::module_& m) {
           nb::arg("k"), nb::arg("v"), nb::arg("bshd") = false)
       .def(
           "_attend",
-          [](KVCache& c, const InArray& q, const OutArray& out, const std::optional<OutArray>& lse, bool bshd,
-             bool causal, std::int64_t window_left, std::int64_t window_right, std::optional<double> scale,
-             double softcap, const std::optional<InArray>& mask, int num_threads) {
-            const AttentionParams p = layer_params(causal, window_left, window_right, scale, softcap, mask, num_threads);
-            TensorView qv = view_of("q", q), ov = view_of("out", out);
-            if (bshd && qv.rank() == 4 && ov.rank() == 4) {
-              qv = qv.permute({0, 2, 1, 3});
-              ov = ov.permute({0, 2, 1, 3});
-            }
-            const auto lv = view_of("softmax_lse", lse);
+          [](KVCache& c, nb::handle q, nb::handle out, nb::handle lse, nb::handle arrays, const Options& o) {
+            CallArrays a;
+            const AttentionParams p = params_of(o, a, arrays);
+            const TensorView qv = as_bhsd(a.in("q", q), o), ov = as_bhsd(a.out("out", out), o);
+            const auto lv = a.out_opt("softmax_lse", lse);
             nb::gil_scoped_release release;
             c.attend(qv, ov, p, lv);
-          });
+          },
+          nb::arg("q"), nb::arg("out"), nb::arg("lse").none(), nb::arg("arrays"), nb::arg("options"));
 
   nb::class_<MultiHeadAttention>(m, "_MultiHeadAttention")
       .def(
@@ -174,27 +157,30 @@ void bind_layers(nb::module_& m) {
            })
       .def(
           "_forward",
-          [](const MultiHeadAttention& l, const InArray& x, const std::optional<InArray>& x_kv, const OutArray& y,
-             bool causal, std::int64_t window_left, std::int64_t window_right, std::optional<double> scale,
-             double softcap, const std::optional<InArray>& mask, int num_threads) {
-            MhaOptions o;
-            o.attention = layer_params(causal, window_left, window_right, scale, softcap, mask, num_threads);
-            const TensorView xv = view_of("x", x), yv = view_of("y", y);
-            const auto kvv = view_of("x_kv", x_kv);
+          [](const MultiHeadAttention& l, nb::handle x, nb::handle x_kv, nb::handle y, nb::handle arrays,
+             const Options& o) {
+            CallArrays a;
+            MhaOptions mo;
+            mo.attention = params_of(o, a, arrays);
+            const TensorView xv = a.in("x", x), yv = a.out("y", y);
+            const auto kvv = a.in_opt("x_kv", x_kv);
             nb::gil_scoped_release release;
-            if (kvv) l.forward(xv, *kvv, yv, o);
-            else l.forward(xv, yv, o);
-          })
-      .def("_forward_cached",
-           [](const MultiHeadAttention& l, const InArray& x, KVCache& cache, const OutArray& y, bool causal,
-              std::int64_t window_left, std::int64_t window_right, std::optional<double> scale, double softcap,
-              int num_threads) {
-             MhaOptions o;
-             o.attention = layer_params(causal, window_left, window_right, scale, softcap, std::nullopt, num_threads);
-             const TensorView xv = view_of("x", x), yv = view_of("y", y);
-             nb::gil_scoped_release release;
-             l.forward(xv, cache, yv, o);
-           });
+            if (kvv) l.forward(xv, *kvv, yv, mo);
+            else l.forward(xv, yv, mo);
+          },
+          nb::arg("x"), nb::arg("x_kv").none(), nb::arg("y"), nb::arg("arrays"), nb::arg("options"))
+      .def(
+          "_forward_cached",
+          [](const MultiHeadAttention& l, nb::handle x, KVCache& cache, nb::handle y, nb::handle arrays,
+             const Options& o) {
+            CallArrays a;
+            MhaOptions mo;
+            mo.attention = params_of(o, a, arrays);
+            const TensorView xv = a.in("x", x), yv = a.out("y", y);
+            nb::gil_scoped_release release;
+            l.forward(xv, cache, yv, mo);
+          },
+          nb::arg("x"), nb::arg("cache"), nb::arg("y"), nb::arg("arrays"), nb::arg("options"));
 }
 
 }  // namespace qkv::python

@@ -10,6 +10,7 @@
 NB_MODULE(_qkv, m) {
   m.doc() = "qkv's C++ library: exact, fast scaled dot-product attention on the CPU.";
   m.attr("__version__") = qkv::version();
+  qkv::python::bind_options(m);
   qkv::python::bind_ops(m);
   qkv::python::bind_layers(m);
   qkv::python::bind_explain(m);

@@ -134,9 +134,14 @@ def test_flash_attn_func_semantics():
 
 
 def test_custom_op_is_registered_and_fake_shapes():
-    torch.library.opcheck(torch.ops.qkv.attention.default,
-                          (torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6), None, None,
-                           0.5, True, False, -1, -1, 0.0, False, "auto", 0))
+    q, k, v = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 6)
+    torch.library.opcheck(torch.ops.qkv.attention.default, (q, k, v),
+                          {"scale": 0.5, "causal": True, "window_left": 3, "softcap": 2.0})
+    torch.library.opcheck(torch.ops.qkv.attention.default, (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                            None, torch.tensor([4])), {"layout": "bshd"})
+    out, lse = torch.ops.qkv.attention(q, k, v, causal=True)
+    torch.library.opcheck(torch.ops.qkv.attention_backward.default, (torch.randn_like(out), q, k, v, out, lse),
+                          {"causal": True})
 
 
 class TinyModel(torch.nn.Module):
