@@ -20,6 +20,10 @@ dtypes: torch runs q, k, v, out, dO and the gradients in the dtype; qkv's bfloat
 a float32 output and its backward bfloat16 gradients. Causal: torch's is_causal is the top-left
 diagonal, qkv's the bottom-right one; they are the same mask for these square shapes.
 
+`qkv bench --report` runs a copy of this script embedded in the qkv binary (python3 -c, with
+--json) for the report's PyTorch rows; when torch cannot be imported the script exits with status
+3 and the JSON file says why.
+
 Not a test (torch is not a test dependency). Usage (see docs/performance.md):
     pip install torch==2.13.0
     python3 bench/torch_sdpa.py --qkv build/qkv
@@ -31,6 +35,9 @@ import statistics
 import subprocess
 import sys
 import time
+
+# Exit status when torch cannot be imported (with --json, the file says why).
+NOT_IMPORTABLE = 3
 
 
 def parse_args(argv):
@@ -135,7 +142,15 @@ def main(argv):
     # (On a machine shared with other work, compare ratios from runs on a quiet machine only.)
     qkv_doc, qkv_rows = run_qkv(args, dtypes) if args.qkv else (None, {})
 
-    import torch  # here, so that --help works without it
+    try:
+        import torch  # here, so that --help works without it
+    except Exception as e:  # noqa: BLE001 - ImportError, or a broken install (OSError, ...)
+        reason = f"torch not importable: {type(e).__name__}: {e}"
+        print(reason, file=sys.stderr)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"error": reason}, f)
+        return NOT_IMPORTABLE
 
     torch.set_num_threads(args.threads)
     torch_dtype = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -183,7 +198,10 @@ def main(argv):
                     results.append(res)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": results, "qkv": qkv_doc}, f, indent=2)
+            json.dump({"torch_version": torch.__version__,
+                       "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                       "threads": torch.get_num_threads(), "repeats": args.repeats, "warmup": args.warmup,
+                       "rows": results, "qkv": qkv_doc}, f, indent=2)
     return 0
 
 

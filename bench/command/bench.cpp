@@ -2,12 +2,10 @@
 // each shape beside the naive unfused baselines (bench/support/baseline.cpp, bench/support/baseline_backward.cpp)
 // run in the same process, and as a fraction of the machine's peaks measured at the start of the
 // run. See docs/performance.md. This file: the options and the walk over the grid; measuring a
-// row is in measure.cpp, the table, Markdown and JSON in output.cpp.
-#include <omp.h>
-
+// row is in measure.cpp, the table, Markdown and JSON in output.cpp; --serving, --kv-quant,
+// --kv-accuracy and --report have a file each.
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,15 +22,6 @@ namespace qkv::cli {
 namespace benchcmd {
 namespace {
 
-double load_average() {
-  double l = 0;
-  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
-    if (std::fscanf(f, "%lf", &l) != 1) l = 0;
-    std::fclose(f);
-  }
-  return l;
-}
-
 std::vector<DType> selected_dtypes(const std::string& d) {
   if (d == "all") return {DType::f32, DType::bf16};
   if (d == "f32" || d == "float32") return {DType::f32};
@@ -42,18 +31,14 @@ std::vector<DType> selected_dtypes(const std::string& d) {
 
 void run_bench(BenchOptions o) {
   bench::reexec_with_clean_blas_env(bench::self_cmdline(), o.blas_core);
+  if (!o.report_path.empty()) return run_bench_report(o);
   if (o.serving) return run_bench_serving(o);
   if (o.kv_quant) return run_bench_kv_quant(o);
   if (o.kv_accuracy) return run_bench_kv_accuracy(o);
   const bool to_stdout = o.json_path == "-";
   // Fail before minutes of measuring, not after.
-  for (const auto& [flag, path] : {std::pair{"--json", o.json_path}, std::pair{"--markdown", o.markdown_path}}) {
-    if (path.empty() || path == "-") continue;
-    const std::filesystem::path dir = std::filesystem::absolute(path).parent_path();
-    if (!std::filesystem::is_directory(dir))
-      throw Error(std::string(flag) + ": directory '" + dir.string() + "' does not exist");
-    if (std::filesystem::is_directory(path)) throw Error(std::string(flag) + ": '" + path + "' is a directory");
-  }
+  check_output_path("--json", o.json_path);
+  check_output_path("--markdown", o.markdown_path);
   const double load_start = load_average();
   FILE* const out = to_stdout ? stderr : stdout;  // the table; stdout carries the JSON when asked
 
@@ -69,7 +54,7 @@ void run_bench(BenchOptions o) {
   if (o.seqlens.empty()) o.seqlens = {256, 1024, 4096, 16384};
   if (o.decode_seqlens.empty()) o.decode_seqlens = {4096, 32768};
   if (o.repeats == 0) o.repeats = 5;
-  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
+  const int threads = run_threads(o);
   const auto dtypes = selected_dtypes(o.dtype);
   std::vector<bool> causals;
   if (o.causal != "on") causals.push_back(false);
@@ -277,6 +262,21 @@ void add_bench(CLI::App& app) {
                   "run the baseline with OPENBLAS_CORETYPE=NAME (default: unset, OpenBLAS detects the CPU)");
   cmd->add_option("--json", o->json_path, "also write the rows as JSON to FILE ('-' = stdout; the table then goes to stderr)");
   cmd->add_option("--markdown", o->markdown_path, "also write the results as a Markdown table to FILE");
+  auto* report = cmd->add_option(
+      "--report", o->report_path,
+      "instead: measure this machine's bounds (FMA, bf16/AMX, DRAM read, OpenBLAS SGEMM) and the standard rows of "
+      "every kind (forward, backward, decode, serving, quantized decode, PyTorch's SDPA beside them) and write them as "
+      "one Markdown report to FILE ('-' = stdout; docs/performance.md); with --quick, the same report on small shapes in "
+      "seconds");
+  cmd->add_option("--python", o->python,
+                  "--report: the Python interpreter that runs the PyTorch rows (default python3; rows say why when "
+                  "it cannot import torch)")
+      ->needs(report);
+  // The report runs a fixed set of rows: options that choose rows or other outputs do not apply.
+  for (const char* name : {"--serving", "--kv-quant", "--kv-accuracy", "--shapes", "--backward", "--dtype", "--causal",
+                           "--head-dims", "--seqlens", "--decode-seqlens", "--scaling", "--scaling-seqlen", "--memory",
+                           "--memory-seqlen", "--no-baseline", "--reference", "--json", "--markdown"})
+    report->excludes(cmd->get_option(name));
   cmd->callback([o] { benchcmd::run_bench(*o); });
 }
 

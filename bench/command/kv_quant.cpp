@@ -9,8 +9,6 @@
 //            each format through the serving kernel against the bf16 cache through the same
 //            kernel and through the tiled flash kernel (kernel = flash, not chunking invariant).
 // Medians of --repeats timed runs; the ratios are measured in the same run.
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -78,10 +76,6 @@ std::vector<Cache> cold_copies(const Cache& c, double bytes) {
   return out;
 }
 
-double timed(const std::function<void()>& fn, const BenchOptions& o) {
-  return bench::median(bench::time_runs(fn, o.repeats, o.budget, o.min_time));
-}
-
 Tensor cu(i64 n) {
   Tensor t(DType::i32, {2});
   t.data_as<std::int32_t>()[0] = 0;
@@ -91,12 +85,33 @@ Tensor cu(i64 n) {
 
 }  // namespace
 
+KvQuantDecode measure_kv_quant_decode(KVFormat f, i64 Sk, i64 Hkv, const BenchOptions& o, int threads) {
+  const i64 Hq = kKvQuantHq, D = kKvQuantD;
+  AttentionParams p;
+  p.causal = true;
+  p.num_threads = threads;
+  Tensor q(DType::f32, {1, Hq, D}), out(DType::f32, {1, Hq, D});
+  std::mt19937_64 rng(2);
+  std::normal_distribution<float> n(0.0f, 1.0f);
+  for (i64 i = 0; i < q.numel(); ++i) q.data_as<float>()[i] = n(rng);
+  const Tensor cq = cu(1), ck = cu(Sk);
+  const Cache c = make_cache(f, Sk, Hkv, D);
+  KvQuantDecode d;
+  d.bytes = c.bytes;
+  d.warm = time_median([&] { attention_varlen(q, c.kq(), c.vq(), out, cq, ck, p); }, o);
+  const std::vector<Cache> copies = cold_copies(c, 2.0 * o.read_mib * (1 << 20));
+  std::size_t next = 0;
+  d.cold = time_median([&] {
+    const Cache& x = copies[next++ % copies.size()];
+    attention_varlen(q, x.kq(), x.vq(), out, cq, ck, p);
+  }, o);
+  return d;
+}
+
 void run_bench_kv_quant(const BenchOptions& o_in) {
-  BenchOptions o = o_in;
-  if (o.repeats == 0) o.repeats = o.quick ? 3 : 9;
-  if (o.min_time < 0) o.min_time = o.quick ? 0 : 0.3;
-  const int threads = o.threads > 0 ? o.threads : omp_get_max_threads();
-  const i64 Sk = o.quick ? 4096 : 32768, Hq = 8, D = 128, Sp = o.quick ? 512 : 2048;
+  const BenchOptions o = with_defaults(o_in, o_in.quick ? 3 : 9, o_in.quick ? 0 : 0.3);
+  const int threads = run_threads(o);
+  const i64 Sk = o.quick ? 4096 : 32768, Hq = kKvQuantHq, D = kKvQuantD, Sp = o.quick ? 512 : 2048;
   const KVFormat formats[] = {KVFormat::f32, KVFormat::bf16, KVFormat::f16, KVFormat::int8, KVFormat::q8_0, KVFormat::fp8};
   std::printf("qkv bench --kv-quant: %d threads; decode Sq 1, Sk %lld, Hq %lld, D %lld; prefill %lld tokens, Hkv 2\n",
               threads, static_cast<long long>(Sk), static_cast<long long>(Hq), static_cast<long long>(D),
@@ -109,36 +124,22 @@ void run_bench_kv_quant(const BenchOptions& o_in) {
   std::printf("%-8s %-5s %5s %10s %11s %9s %8s %14s %10s %9s %8s %14s\n", "rows", "kv", "Hkv", "time ms", "MiB read", "GB/s",
               "of DRAM", "time / bf16's", "cold ms", "GB/s", "of DRAM", "time / bf16's");
   for (const i64 Hkv : {i64{8}, i64{2}}) {
-    Tensor q(DType::f32, {1, Hq, D}), out(DType::f32, {1, Hq, D});
-    std::mt19937_64 rng(2);
-    std::normal_distribution<float> n(0.0f, 1.0f);
-    for (i64 i = 0; i < q.numel(); ++i) q.data_as<float>()[i] = n(rng);
-    const Tensor cq = cu(1), ck = cu(Sk);
     std::vector<double> secs, cold_secs;
     double bf16_s = 0, bf16_cold = 0;
     for (KVFormat f : formats) {
-      const Cache c = make_cache(f, Sk, Hkv, D);
-      const double s = timed([&] { attention_varlen(q, c.kq(), c.vq(), out, cq, ck, p); }, o);
-      double cold = 0;
-      {
-        const std::vector<Cache> copies = cold_copies(c, 2.0 * o.read_mib * (1 << 20));
-        std::size_t next = 0;
-        cold = timed([&] {
-          const Cache& x = copies[next++ % copies.size()];
-          attention_varlen(q, x.kq(), x.vq(), out, cq, ck, p);
-        }, o);
-      }
+      const KvQuantDecode d = measure_kv_quant_decode(f, Sk, Hkv, o, threads);
+      const double s = d.warm.seconds, cold = d.cold.seconds;
       if (f == KVFormat::bf16) { bf16_s = s; bf16_cold = cold; }
       secs.push_back(s);
       cold_secs.push_back(cold);
-      const double gbps = c.bytes / s / 1e9, cold_gbps = c.bytes / cold / 1e9;
+      const double gbps = d.bytes / s / 1e9, cold_gbps = d.bytes / cold / 1e9;
       char rel[16] = "", cold_rel[16] = "";
       if (bf16_s > 0) {
         std::snprintf(rel, sizeof rel, "%.2f", s / bf16_s);
         std::snprintf(cold_rel, sizeof cold_rel, "%.2f", cold / bf16_cold);
       }
       std::printf("%-8s %-5s %5lld %10.3f %11.1f %9.1f %8.2f %14s %10.3f %9.1f %8.2f %14s\n", "decode",
-                  std::string(kv_format_name(f)).c_str(), static_cast<long long>(Hkv), s * 1e3, c.bytes / (1 << 20),
+                  std::string(kv_format_name(f)).c_str(), static_cast<long long>(Hkv), s * 1e3, d.bytes / (1 << 20),
                   gbps, gbps / dram, rel, cold * 1e3, cold_gbps, cold_gbps / dram, cold_rel);
     }
     std::printf("decode Hkv %lld: bf16 / int8 time %.2f warm, %.2f cold (int8 speed-up over bf16)\n\n",
@@ -156,12 +157,12 @@ void run_bench_kv_quant(const BenchOptions& o_in) {
     for (i64 i = 0; i < q.numel(); ++i) qb.data_as<std::uint16_t>()[i] = float_to_bf16(q.data_as<float>()[i]);
     AttentionParams tiled = p;
     tiled.kernel = KernelKind::flash;
-    const double flash_s = timed([&] { attention_varlen(qb, b.k, b.v, out, cq, ck, tiled); }, o);
+    const double flash_s = time_median([&] { attention_varlen(qb, b.k, b.v, out, cq, ck, tiled); }, o).seconds;
     double serving_bf16 = 0;
     std::printf("%-8s %-5s %5s %10s %24s %24s\n", "rows", "kv", "Hkv", "time ms", "time / bf16 serving", "time / bf16 flash");
     for (KVFormat f : formats) {
       const Cache c = make_cache(f, Sp, Hkv, D);
-      const double s = timed([&] { attention_varlen(q, c.kq(), c.vq(), out, cq, ck, p); }, o);
+      const double s = time_median([&] { attention_varlen(q, c.kq(), c.vq(), out, cq, ck, p); }, o).seconds;
       if (f == KVFormat::bf16) serving_bf16 = s;
       // Formats before bf16 in the list have no bf16 serving time yet: that cell stays empty.
       char vs_bf16[32] = "";

@@ -1,10 +1,12 @@
 // `qkv bench`: measuring one row. qkv and the naive baselines (bench/support/baseline.cpp,
 // bench/support/baseline_backward.cpp) on the same values in the same run, timed as the options say, and
 // judged against the machine's peaks (measured once per thread count, and again next to each row).
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "rows.hpp"
 #include "qkv/error.hpp"
@@ -233,6 +235,36 @@ Row Runner::memory_row(const std::string& kind, const BenchShape& s, DType dtype
   r.peak_fraction = r.peak_value > 0 ? r.gflops / r.peak_value : 0;
   r.mem = m;
   return r;
+}
+
+BenchOptions with_defaults(BenchOptions o, int repeats, double min_time) {
+  if (o.repeats == 0) o.repeats = repeats;
+  if (o.min_time < 0) o.min_time = min_time;
+  return o;
+}
+
+int run_threads(const BenchOptions& o) { return o.threads > 0 ? o.threads : omp_get_max_threads(); }
+
+double load_average() {
+  double l = 0;
+  if (FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &l) != 1) l = 0;
+    std::fclose(f);
+  }
+  return l;
+}
+
+Timing time_median(const std::function<void()>& fn, const BenchOptions& o) {
+  const std::vector<double> t = bench::time_runs(fn, o.repeats, o.budget, o.min_time);
+  return {bench::median(t), static_cast<int>(t.size())};
+}
+
+void check_output_path(const char* flag, const std::string& path) {
+  if (path.empty() || path == "-") return;
+  const std::filesystem::path dir = std::filesystem::absolute(path).parent_path();
+  if (!std::filesystem::is_directory(dir))
+    throw Error(std::string(flag) + ": directory '" + dir.string() + "' does not exist");
+  if (std::filesystem::is_directory(path)) throw Error(std::string(flag) + ": '" + path + "' is a directory");
 }
 
 std::string dtype_short(DType d) { return d == DType::f32 ? "f32" : d == DType::bf16 ? "bf16" : "f16"; }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qkv/attention.hpp"
+#include "qkv/kv_quant.hpp"
 #include "qkv/tensor.hpp"
 #include "bench_support.hpp"
 
@@ -25,6 +26,7 @@ struct BenchOptions {
   bool quick = false, scaling = false, memory = false, no_baseline = false, reference = false, backward = false;
   bool serving = false, kv_quant = false, kv_accuracy = false;
   std::string shapes = "all", dtype = "all", causal = "both", json_path, markdown_path, blas_core;
+  std::string report_path, python = "python3";  // --report FILE.md; the interpreter of its PyTorch rows
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
@@ -150,6 +152,26 @@ private:
 
 std::string dtype_short(DType d);
 
+// The median of fn's timed runs as the options say (bench::time_runs with --repeats, --budget and
+// --min-time), and how many runs it is of.
+struct Timing {
+  double seconds = 0;
+  int runs = 0;
+};
+Timing time_median(const std::function<void()>& fn, const BenchOptions& o);
+
+// o with the mode's --repeats and --min-time where they were not given (0 and a negative time
+// mean not given); the threads of a run: --threads, else OpenMP's default.
+BenchOptions with_defaults(BenchOptions o, int repeats, double min_time);
+int run_threads(const BenchOptions& o);
+
+// The 1-minute load average (/proc/loadavg; 0 where unreadable): how busy the machine was.
+double load_average();
+
+// Throws qkv::Error unless `path` can be written by a rename into its directory (the directory
+// exists and `path` is not a directory): checked before minutes of measuring. "-" and "" pass.
+void check_output_path(const char* flag, const std::string& path);
+
 // The table (stdout, or stderr when the JSON goes to stdout). kind_width: the kind column.
 void print_header(FILE* out, int kind_width);
 /// `qkv bench --serving` (bench/command/serving.cpp): packed and paged decode, a prefill + decode mix,
@@ -158,6 +180,19 @@ struct BenchOptions;
 void run_bench_serving(const BenchOptions& o);
 /// `qkv bench --kv-quant` (bench/command/kv_quant.cpp): decode and prefill over quantized KV caches.
 void run_bench_kv_quant(const BenchOptions& o);
+/// Its decode: Sq 1 over one sequence of Sk keys, Hq 8 (kKvQuantHq), D 128 (kKvQuantD), K and V
+/// of N(0, 1) entries both stored in format f. warm: every call on the same cache; cold: each
+/// call on the next of copies that together hold twice --read-mib, so every call reads DRAM.
+inline constexpr std::int64_t kKvQuantHq = 8, kKvQuantD = 128;
+struct KvQuantDecode {
+  double bytes = 0;  // of the cache read by one call: codes and scales
+  Timing warm, cold;
+};
+KvQuantDecode measure_kv_quant_decode(KVFormat f, std::int64_t Sk, std::int64_t Hkv, const BenchOptions& o,
+                                      int threads);
+/// `qkv bench --report FILE.md` (bench/command/report.cpp): this machine's bounds and the standard
+/// rows of every kind, written as one Markdown report.
+void run_bench_report(const BenchOptions& o);
 /// `qkv bench --kv-accuracy` (bench/command/kv_accuracy.cpp): the accuracy table of docs/accuracy.md.
 void run_bench_kv_accuracy(const BenchOptions& o);
 void print_row(FILE* out, const Row& r, int kind_width);

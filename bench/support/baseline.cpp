@@ -35,7 +35,7 @@ void NaiveBaseline::run(const Tensor& q, const Tensor& k, const Tensor& v, const
   float* op = out.data_as<float>();
   float* ws = scores_.data();
 
-  const detail::OneThreadBlas one_thread_blas;
+  const detail::BlasThreads one_thread_blas(1);
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (std::int64_t bh = 0; bh < heads; ++bh) {
     const std::int64_t b = bh / s.Hq, h = bh % s.Hq, hk = h / group;

@@ -41,7 +41,7 @@ void NaiveBackwardBaseline::run(const Tensor& q, const Tensor& k, const Tensor& 
   float* dvp = grad_v.data_as<float>();
   const std::size_t per = static_cast<std::size_t>(s.Sq) * static_cast<std::size_t>(s.Sk);
 
-  const detail::OneThreadBlas one_thread_blas;
+  const detail::BlasThreads one_thread_blas(1);
 #pragma omp parallel for num_threads(threads_) schedule(dynamic, 1)
   for (std::int64_t u = 0; u < units; ++u) {
     const std::int64_t b = u / s.Hkv, hk = u % s.Hkv;

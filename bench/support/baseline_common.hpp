@@ -1,6 +1,7 @@
 #pragma once
-// What the naive baselines (baseline.cpp, baseline_backward.cpp) share: the row softmax for this
-// CPU, and OpenBLAS held to one thread while their own OpenMP threads run the sgemm calls.
+// What the naive baselines (baseline.cpp, baseline_backward.cpp) and the SGEMM rate (sgemm_rate.cpp)
+// share: the row softmax for this CPU, and OpenBLAS held to a thread count for a while (one while
+// the baselines' own OpenMP threads run the sgemm calls).
 #include <cblas.h>
 #include <omp.h>
 
@@ -18,18 +19,21 @@ inline auto best_softmax_row() noexcept {
 #endif
 }
 
-/// For its lifetime, every sgemm runs single-threaded: with one thread the baselines' parallel
-/// region is inactive and OpenBLAS would thread the sgemm itself. In OpenBLAS's OpenMP build
-/// setting its threads also sets OpenMP's default team size, so both are restored afterwards.
-class OneThreadBlas {
+/// For its lifetime, every sgemm runs on `threads` OpenBLAS threads. The baselines use 1: with
+/// one thread their parallel region is inactive and OpenBLAS would thread the sgemm itself. In
+/// OpenBLAS's OpenMP build setting its threads also sets OpenMP's default team size, so both are
+/// restored afterwards.
+class BlasThreads {
  public:
-  OneThreadBlas() : blas_(openblas_get_num_threads()), omp_(omp_get_max_threads()) { openblas_set_num_threads(1); }
-  ~OneThreadBlas() {
+  explicit BlasThreads(int threads) : blas_(openblas_get_num_threads()), omp_(omp_get_max_threads()) {
+    openblas_set_num_threads(threads);
+  }
+  ~BlasThreads() {
     openblas_set_num_threads(blas_);
     omp_set_num_threads(omp_);
   }
-  OneThreadBlas(const OneThreadBlas&) = delete;
-  OneThreadBlas& operator=(const OneThreadBlas&) = delete;
+  BlasThreads(const BlasThreads&) = delete;
+  BlasThreads& operator=(const BlasThreads&) = delete;
 
  private:
   int blas_, omp_;

@@ -1,7 +1,8 @@
 #pragma once
 // Measurement support shared by `qkv bench` and the Google Benchmark program: the naive unfused
-// baselines (forward and backward), machine peaks (FMA, bf16 dot product, read bandwidth), FLOP
-// and byte counts of the benchmark shapes, timing, and the OpenBLAS environment.
+// baselines (forward and backward), machine peaks (FMA, bf16 dot product, read bandwidth) and the
+// SGEMM rate of OpenBLAS, the CPU's description, FLOP and byte counts of the benchmark shapes,
+// timing, and the OpenBLAS environment.
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -138,6 +139,39 @@ double measure_read_bandwidth(int threads, double bytes, double seconds = 0.25);
 /// 32 KiB (64 keys of D = 128 in fp32), as decode reads K and V. A reference for decode rows
 /// (JSON kv_read_gbps) next to the one-stream figure that their peak fraction divides by.
 double measure_kv_read_bandwidth(int threads, double bytes, double seconds = 0.25);
+
+/// The rate of a tuned matrix product: OpenBLAS's cblas_sgemm, C = A B on n x n float32 matrices
+/// (row-major, entries uniform in [-1, 1]), on `threads` OpenBLAS threads. What a well-fed fp32
+/// microkernel reaches on this machine, next to the FMA loop's peak, which no real kernel feeds.
+struct SgemmRate {
+  int threads = 1, n = 0, runs = 0;  ///< runs: timed calls behind the median
+  double seconds = 0;                ///< median time of one call
+  double gflops = 0;                 ///< 2 n^3 / seconds / 1e9
+};
+/// One warm-up call, then `repeats` timed calls (bench::time_runs with a 30 s budget); median.
+SgemmRate measure_sgemm(int threads, int n = 2048, int repeats = 7);
+
+// ---- the CPU -----------------------------------------------------------------------------------
+
+/// One cache of cpu0, from /sys/devices/system/cpu/cpu0/cache/index*.
+struct CpuCache {
+  int level = 0;
+  std::string type;           ///< "Data", "Instruction" or "Unified"
+  std::int64_t bytes = 0;
+  int shared_by = 0;          ///< logical CPUs sharing it (0: unknown)
+};
+/// The machine as Linux describes it; fields it does not give stay empty or 0.
+struct CpuDescription {
+  std::string model;          ///< /proc/cpuinfo "model name"
+  int logical_cpus = 0;       ///< "processor" entries of /proc/cpuinfo
+  int cores = 0;              ///< distinct (physical id, core id) pairs
+  int sockets = 0;            ///< distinct physical ids
+  bool hypervisor = false;    ///< the "hypervisor" CPU flag: a virtual machine
+  std::vector<CpuCache> caches;
+};
+CpuDescription describe_cpu();
+/// "L1d 48 KiB, L1i 32 KiB, L2 2 MiB, L3 480 MiB (shared by 2 CPUs)"; "unknown" without sysfs.
+std::string cache_summary(const CpuDescription& cpu);
 
 // ---- timing ------------------------------------------------------------------------------------
 

@@ -1,7 +1,8 @@
 // Tests of the benchmark support code: the naive baselines (forward and backward) against the
-// float64 reference, and the FLOP and byte counts the reports divide by. (Timings are never
-// asserted.)
+// float64 reference, the FLOP and byte counts the reports divide by, the SGEMM rate's count and
+// the CPU description. (Timings are never asserted.)
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <chrono>
 #include <cmath>
@@ -187,6 +188,33 @@ TEST(Timing, MinimumTimeAddsRuns) {
   double total = 0;
   for (double x : u) total += x;
   EXPECT_GE(total, 0.05);
+}
+
+}  // namespace
+
+namespace {
+
+// The SGEMM rate counts 2 n^3 FLOP per call, leaves OpenBLAS's and OpenMP's thread counts as it
+// found them, and says how many runs its median is of.
+TEST(Sgemm, CountsAndRestoresThreads) {
+  const int omp_before = omp_get_max_threads();
+  const qkv::bench::SgemmRate r = qkv::bench::measure_sgemm(2, 64, 3);
+  EXPECT_EQ(r.n, 64);
+  EXPECT_EQ(r.threads, 2);
+  EXPECT_GE(r.runs, 3);
+  ASSERT_GT(r.seconds, 0);
+  EXPECT_NEAR(r.gflops * r.seconds * 1e9, 2.0 * 64 * 64 * 64, 1e-6 * 2.0 * 64 * 64 * 64);
+  EXPECT_EQ(omp_get_max_threads(), omp_before);
+}
+
+// The CPU as Linux describes it: every Linux machine has /proc/cpuinfo.
+TEST(Machine, DescribesTheCpu) {
+  const qkv::bench::CpuDescription cpu = qkv::bench::describe_cpu();
+  EXPECT_GE(cpu.logical_cpus, 1);
+  qkv::bench::CpuDescription c;
+  EXPECT_EQ(qkv::bench::cache_summary(c), "unknown");
+  c.caches = {{1, "Data", 48 << 10, 1}, {1, "Instruction", 32 << 10, 1}, {3, "Unified", 480 << 20, 2}};
+  EXPECT_EQ(qkv::bench::cache_summary(c), "L1d 48 KiB, L1i 32 KiB, L3 480 MiB (shared by 2 CPUs)");
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
-"""Smoke test of `qkv bench`: a tiny grid with --json, forward, decode and backward rows; checks
-the report's structure only (timings are not asserted: they depend on the machine and its load)."""
+"""Smoke test of `qkv bench`: a tiny grid with --json, forward, decode and backward rows, and
+`--report --quick`; checks the outputs' structure only (timings are not asserted: they depend on
+the machine and its load)."""
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +13,54 @@ import tempfile
 ROW_FIELDS = ["shape", "causal", "dtype", "kernel", "seconds", "gflops", "gbps",
               "baseline_seconds", "peak_fraction"]
 SHAPE_FIELDS = ["B", "Hq", "Hkv", "Sq", "Sk", "D"]
+
+# --report --quick: its sections, in order, and the rows of each table.
+REPORT_SECTIONS = ["# qkv performance report", "## Machine", "## Bounds (", "## Rows", "### Forward", "### Backward",
+                   "### Decode", "### Serving", "### Quantized KV decode", "### PyTorch SDPA",
+                   "## How each figure is measured"]
+REPORT_ROWS = {"Forward": 4, "Backward": 4, "Decode": 4, "Serving": 3, "Quantized KV decode": 12, "PyTorch SDPA": 8}
+REPORT_COLUMNS = ["row", "dtype", "kernel", "time", "rate", "bound", "of bound", "of SGEMM", "x naive BLAS",
+                  "x PyTorch", "note"]
+
+
+def cells(line):
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def check_report(md, check, torch_available):
+    """The sections of a --report file, and every table row with all its columns; PyTorch's rows
+    measured when torch can be imported, else saying why not."""
+    at = [md.find("\n" + h) if i else md.find(h) for i, h in enumerate(REPORT_SECTIONS)]
+    check(all(a >= 0 for a in at) and at == sorted(at), f"report sections {list(zip(REPORT_SECTIONS, at))}")
+    for key in ("| CPU |", "| logical CPUs |", "| caches (cpu0) |", "| ISA level qkv uses |", "| qkv | ",
+                "| fp32 FMA peak", "| DRAM read (a ", "| OpenBLAS SGEMM, n = "):
+        check(key in md, f"report lacks {key!r}")
+    check(", commit " in md, "report without a commit")
+    sections = md.split("\n### ")[1:]
+    for sec in sections:
+        title = sec.split("\n", 1)[0]
+        lines = [ln for ln in sec.split("\n## ")[0].split("\n") if ln.startswith("|")]
+        check(len(lines) >= 2 and cells(lines[0]) == REPORT_COLUMNS, f"{title}: header {lines[:1]}")
+        rows = [cells(ln) for ln in lines[2:]]
+        check(len(rows) == REPORT_ROWS.get(title, -1), f"{title}: {len(rows)} rows")
+        for r in rows:
+            check(len(r) == len(REPORT_COLUMNS) and all(r), f"{title}: row {r}")
+            if len(r) != len(REPORT_COLUMNS):
+                continue
+            row = dict(zip(REPORT_COLUMNS, r))
+            if title == "PyTorch SDPA":
+                check((row["time"] != "-") == torch_available, f"PyTorch row, torch importable: {torch_available}: {r}")
+            if title == "PyTorch SDPA" and row["time"] == "-":
+                # torch not importable: the row says why.
+                check("torch not importable" in row["note"], f"PyTorch row without a reason: {r}")
+                continue
+            check(row["time"].endswith(("s", "ms", "us")) and row["rate"].endswith(("GFLOP/s", "GB/s")), f"{title}: {r}")
+            check(row["of bound"].endswith(("%", "%)")), f"{title}: of bound {r}")
+            memory = row["rate"].endswith("GB/s")
+            check(row["bound"] == "DRAM" if memory else row["bound"] in ("FMA", "bf16 dot", "AMX"), f"{title}: bound {r}")
+            check((row["of SGEMM"] == "-") == memory, f"{title}: of SGEMM {r}")
+            if title in ("Forward", "Backward", "Decode"):
+                check(row["x naive BLAS"] != "-", f"{title}: no naive baseline {r}")
 
 
 def main() -> int:
@@ -146,6 +196,30 @@ def main() -> int:
                            timeout=30)
         check(r.returncode == 2 and r.stderr.startswith("qkv: error: --json") and not os.path.exists(bad),
               f"bad --json path: {r.returncode} {r.stderr}")
+
+        # --report --quick: the whole report's form in seconds, written at once.
+        report = os.path.join(tmp, "report.md")
+        # PyTorch's rows run under this interpreter: measured if it has torch (not a test dependency).
+        r = subprocess.run([qkv, "bench", "--report", report, "--quick", "--repeats", "1", "--peak-seconds", "0.03",
+                            "--read-mib", "32", "--adjacent-seconds", "0.02", "--python", sys.executable], env=env,
+                           capture_output=True, text=True, timeout=300)
+        check(r.returncode == 0 and r.stdout == "", f"--report exit status {r.returncode}: {r.stderr[-2000:]}")
+        check("wrote " + report in r.stderr, "--report: no progress on stderr")
+        if os.path.exists(report):
+            check_report(open(report).read(), check, importlib.util.find_spec("torch") is not None)
+        else:
+            failures.append("--report wrote no file")
+        # Bad arguments: one line, exit 2, no file.
+        for args, what in ([os.path.join(tmp, "missing", "r.md")], "--report: directory"), \
+                          ([os.path.join(tmp, "r.md"), "--serving"], "--serving excludes --report"), \
+                          ([tmp], "--report: '"):
+            r = subprocess.run([qkv, "bench", "--quick", "--report"] + args, env=env, capture_output=True, text=True,
+                               timeout=30)
+            check(r.returncode == 2 and r.stderr.startswith("qkv: error: " + what) and r.stderr.count("\n") == 1,
+                  f"--report {args}: {r.returncode} {r.stderr}")
+        check(not os.path.exists(os.path.join(tmp, "r.md")), "--report with a bad option wrote a file")
+        r = subprocess.run([qkv, "bench", "--python", "python3"], env=env, capture_output=True, text=True, timeout=30)
+        check(r.returncode == 2 and "requires --report" in r.stderr, f"--python alone: {r.returncode} {r.stderr}")
 
         # Bad options exit 2 with one error line.
         r = subprocess.run([qkv, "bench", "--shapes", "sideways"], env=env, capture_output=True, text=True,
