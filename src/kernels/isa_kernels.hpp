@@ -36,7 +36,8 @@ struct IsaKernels {
   double (*bf16_dot_rate)();
   /// One work item of the serving kernel (engine/serving_item.hpp): the partials of its rows to
   /// parts (NS splits per row); bf16_dot: the scores of bf16 queries and keys on the level's bf16
-  /// products (avx512bf16: dot products, avx512amx: AMX tiles), as the tiled kernels use them.
+  /// products (avx512bf16: dot products), as the tiled kernels use them. avx512amx, where
+  /// bf16_dot is always on, has only its tile form.
   void (*serving_item)(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
                        std::int64_t NS, char* ws, bool bf16_dot);
 };

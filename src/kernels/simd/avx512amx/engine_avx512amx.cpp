@@ -228,13 +228,13 @@ static_assert(IsaOps<Ops>, "Ops must provide what the engine uses (kernels/engin
 
 using E = Engine<Ops>;
 
-// bf16_dot (always on at this level, kernels/isa_select.cpp): the scores of bf16 queries and
-// keys as AMX tile products.
+// The scores of bf16 queries and keys as AMX tile products. bf16_dot is always on at this level
+// (bf16_dot_enabled(), kernels/isa_select.cpp), so the flag is not read: the tile form is the
+// level's one body (an fp32 instantiation beside it would never run).
 void serving_item(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS,
-                  char* ws, bool bf16_dot) {
+                  char* ws, bool) {
   using Body = ServingItemBody<Ops>;
-  if (bf16_dot) Body::run<Body::Score::tiles>(vp, it, L, parts, NS, ws);
-  else Body::run(vp, it, L, parts, NS, ws);
+  Body::run<Body::Score::tiles>(vp, it, L, parts, NS, ws);
 }
 
 }  // namespace engine_avx512amx
