@@ -1,4 +1,5 @@
 // `qkv attend`: scaled dot-product attention on .npy files.
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
@@ -45,6 +46,22 @@ NpyArray read_packed(const std::string& flag, const std::string& path, const cha
   return a;
 }
 
+// --explain: each pass's explanation (qkv::explain_dispatch) under the entry point it calls,
+// printed once all are formed, so that an error prints none.
+void print_explanations(const std::vector<std::pair<const char*, std::string>>& passes) {
+  std::string text;
+  for (const auto& [entry, why] : passes) {
+    text += std::string(entry) + ":\n";
+    for (std::size_t a = 0, b; a < why.size(); a = b + 1) {
+      b = why.find('\n', a);
+      if (b == std::string::npos) b = why.size();
+      text += "  " + why.substr(a, b - a) + "\n";
+    }
+  }
+  std::fputs(text.c_str(), stdout);
+  std::fflush(stdout);
+}
+
 // The command's output files as one set: all are written, then all renamed into place, so a
 // failure leaves every path as it was (qkv::detail::AtomicFileSet).
 struct Writer {
@@ -84,6 +101,14 @@ void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool wa
   }
   std::optional<TensorView> lse_view;
   if (lse) lse_view = lse->view();
+  if (o.explain) {
+    std::vector<std::pair<const char*, std::string>> passes = {
+        {"qkv::attention_varlen", explain_dispatch(q, k, v, out, cq.view(), ck.view(), p, lse_view)}};
+    if (want_grads)
+      passes.emplace_back("qkv::attention_varlen_backward",
+                          explain_dispatch(q, k, v, out, *lse_view, dout->view(), *dq, *dk, *dv, cq.view(), ck.view(), p));
+    print_explanations(passes);
+  }
   attention_varlen(q, k, v, out, cq.view(), ck.view(), p, lse_view);
   if (want_grads)
     attention_varlen_backward(q, k, v, out, *lse_view, dout->view(), *dq, *dk, *dv, cq.view(), ck.view(), p);
@@ -109,7 +134,11 @@ void run_attend(const AttendOptions& o) {
           std::filesystem::weakly_canonical(*outs[a].second) == std::filesystem::weakly_canonical(*outs[b].second))
         throw Error(std::string(outs[b].first) + ": expected a path different from " + outs[a].first + ", got '" +
                     *outs[b].second + "' for both");
-  if (o.distributed || o.simulate_ranks > 0) return run_attend_distributed(o);
+  if (o.distributed || o.simulate_ranks > 0) {
+    if (o.explain)
+      throw Error("--explain: not available with --distributed or --simulate-ranks (each rank dispatches its own blocks)");
+    return run_attend_distributed(o);
+  }
   const bool want_grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty();
   if (want_grads && o.grad_out.empty())
     throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v, got none");
@@ -165,6 +194,15 @@ void run_attend(const AttendOptions& o) {
     dv.emplace(like(v));
   }
   try {
+    if (o.explain) {
+      std::vector<std::pair<const char*, std::string>> passes = {
+          {"qkv::attention", explain_dispatch(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view)}};
+      if (want_grads)
+        passes.emplace_back("qkv::attention_backward",
+                            explain_dispatch(q, k, v, to_bhsd(out.view()), *lse_view, to_bhsd(dout_file->view()),
+                                             to_bhsd(dq->view()), to_bhsd(dk->view()), to_bhsd(dv->view()), p));
+      print_explanations(passes);
+    }
     attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
     if (want_grads)
       attention_backward(q, k, v, to_bhsd(out.view()), *lse_view, to_bhsd(dout_file->view()), to_bhsd(dq->view()),
@@ -215,6 +253,8 @@ void add_attend(CLI::App& app) {
                   "int32 [batch+1] prefix sums of the query tokens: q, out (and dO) are packed [total_q,H,X]");
   cmd->add_option("--cu-seqlens-k", o->cu_k, "int32 [batch+1] prefix sums of the keys: k, v are packed [total_k,Hkv,X]");
   cmd->add_flag("--reference", o->reference, "run the float64 reference kernels");
+  cmd->add_flag("--explain", o->explain,
+                "print to stdout which kernel each pass (forward, backward) runs and why not the others, then run");
   cmd->add_option("--threads", o->threads, "threads (0 = all)");
   // Context parallelism (qkv::dist, docs/distributed.md): under `mpirun -np P`, each rank reads
   // its slice of the files, rank 0 writes the whole results.

@@ -16,6 +16,7 @@ struct AttendOptions {
   std::optional<double> scale;
   double softcap = 0.0;
   bool causal = false, reference = false;
+  bool explain = false;  // print each pass's kernel choice before running
   int threads = 0;
   // Context parallelism.
   bool distributed = false, decode = false;

@@ -98,8 +98,19 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v,
                const std::optional<TensorView>& softmax_lse = std::nullopt,
                const std::optional<TensorView>& probs = std::nullopt);
 
-/// Which kernel attention() would run for these arguments and why the others were refused,
-/// one line per kernel, e.g. "flash: chosen (AVX-512, fp32)". Throws like attention().
+/// Which kernel attention() would run for these arguments and why not the others: one line per
+/// kernel of qkv::attention, in priority order (decode, flash, reference), each
+///   "NAME: chosen (ISA level[, bf16 form])"  e.g. "flash: chosen (avx512)", "decode: chosen
+///                                            (avx512amx, bf16 AMX tiles)"; the reference shows none
+///   "NAME: refused (reason)"                 e.g. "decode: refused (Sq = 64 > 16 (decode takes a
+///                                            few query rows))"
+///   "NAME: not requested"                    params.kernel forces another kernel
+///   "NAME: usable, lower priority"
+/// and, when probs is given to a fast kernel, a line "probs: ..." on how the weights are filled.
+/// The bf16 form is the one the level hands the kernel for bf16 inputs (the tiles may still take
+/// fp32 products for a shape they do not fit). Runs no kernel; throws like attention(), a forced
+/// kernel that cannot run the call included. The other entry points' explanations are declared
+/// beside them (backward.hpp, varlen.hpp).
 std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v,
                              const TensorView& out, const AttentionParams& params = {},
                              const std::optional<TensorView>& softmax_lse = std::nullopt,

@@ -27,6 +27,8 @@
 /// Thread safety and determinism as the forward: concurrent calls with disjoint outputs are
 /// safe, and the gradients are bitwise the same for every num_threads and every run.
 
+#include <string>
+
 #include "qkv/attention.hpp"
 #include "qkv/tensor.hpp"
 
@@ -47,5 +49,18 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
                         const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
                         const AttentionParams& params = {});
+
+/// Which kernel attention_backward() would run for exactly these arguments (shapes and dtypes
+/// as above) and why not the others: one line per backward kernel, in priority order, as
+/// explain_dispatch() of attention.hpp says them:
+///   "flash: chosen (ISA level[, bf16 form])"  FlashAttention-2's backward; the bf16 form for
+///                                             bf16 q, grad_out and out where the level has one
+///   "flash: refused (float64 inputs: ...)"
+///   "reference: usable, lower priority" | "reference: chosen" | "...: not requested"
+/// Runs no kernel. @throws qkv::Error as attention_backward(): every argument check,
+/// params.kernel = decode, flash for float64 inputs.
+std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                             const TensorView& grad_k, const TensorView& grad_v, const AttentionParams& params = {});
 
 }  // namespace qkv

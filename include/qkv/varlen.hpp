@@ -22,11 +22,13 @@
 /// Not accepted: mask and kv_lens (a sequence's keys are its range of cu_seqlens_k).
 /// A sequence with no query does nothing; one with no key gives out = 0, softmax_lse = -inf.
 ///
-/// Kernels (AttentionParams::kernel):
-///   automatic  the serving kernel (src/kernels/serving.cpp), batch invariant (below)
-///   reference  the float64 specification, one qkv::attention call per sequence
-///   flash, decode  the tiled kernels of qkv::attention, one call per sequence (faster prefill;
-///              each sequence's result depends on its own Sq, so not invariant under chunking)
+/// Kernels (AttentionParams::kernel), as the registry names them (explain_dispatch below):
+///   automatic  "serving", the batch-invariant split kernel (src/kernels/serving.cpp, below);
+///              float64 inputs go "per-sequence" (each sequence's kernel: the reference)
+///   reference  "per-sequence": the float64 specification, one qkv::attention call per sequence
+///   flash, decode  "per-sequence": the tiled kernels of qkv::attention, one call per sequence
+///              (faster prefill; each sequence's result depends on its own Sq, so not invariant
+///              under chunking); a sequence the forced kernel cannot run throws before any runs
 ///
 /// Batch invariance (the serving kernel): the bits of a query row's output and softmax_lse
 /// depend only on its query vector, its admissible keys and values (their values, not where
@@ -45,6 +47,7 @@
 ///   kv_lens given; any error qkv::attention raises for its options (scale, softcap, window,
 ///   num_threads, overlapping outputs, a forced kernel that cannot run a sequence).
 #include <optional>
+#include <string>
 
 #include "qkv/attention.hpp"
 #include "qkv/kv_quant.hpp"
@@ -59,8 +62,9 @@ void attention_varlen(const TensorView& q, const TensorView& k, const TensorView
                       const std::optional<TensorView>& softmax_lse = std::nullopt);
 
 /// The backward pass of attention_varlen: dQ, dK, dV of a loss whose gradient by out is
-/// grad_out, one qkv::attention_backward call per sequence (FlashAttention-2 backward, Dao 2023,
-/// Algorithm 2), given the forward's out and softmax_lse [Hq, total_q] (required).
+/// grad_out, one qkv::attention_backward call per sequence ("per-sequence"; FlashAttention-2
+/// backward, Dao 2023, Algorithm 2), given the forward's out and softmax_lse [Hq, total_q]
+/// (required). Every sequence is checked, and its kernel chosen, before any runs.
 ///   grad_out [total_q, Hq, Dv] any float dtype; grad_q [total_q, Hq, D], grad_k [total_k, Hkv, D],
 ///   grad_v [total_k, Hkv, Dv]: float32, float64 or q's dtype (written; keys of a sequence with
 ///   no query get 0).
@@ -85,9 +89,10 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
 ///                block are never read
 /// The queries of sequence b sit at key positions seq_lens[b] - Sq_b .. seq_lens[b] - 1
 /// (bottom-right alignment; top_left is refused), so after writing the new tokens' keys,
-/// `causal = true` is causal attention over the whole sequence. Always the serving kernel
-/// (kernel: automatic, or reference for the float64 specification): the same bits as
-/// attention_varlen gives for the same keys stored contiguously.
+/// `causal = true` is causal attention over the whole sequence. kernel automatic: the serving
+/// kernel ("serving"), the same bits as attention_varlen gives for the same keys stored
+/// contiguously; reference: the float64 specification over each sequence's keys gathered
+/// ("reference").
 /// @throws qkv::Error as attention_varlen, and for a block_size < 1, pools of different
 ///   num_blocks/Hkv/block_size, a seq_lens entry < Sq_b or > max_blocks * block_size, a block
 ///   table entry out of [0, num_blocks) among a sequence's blocks, top_left alignment.
@@ -107,9 +112,9 @@ void attention_paged(const TensorView& q, const TensorView& k_pool, const Tensor
 /// those bits equal the kernel's over float32 copies of the dequantized cache; an int8 or fp8
 /// row's one scale multiplies its score and its weight instead, s_j = sc_j (q . c_j) and
 /// (p_j sc_j) c_j, once per key, for any head_dim (a rounding apart from those copies).
-/// kernel = reference runs the float64 specification on the
-/// dequantized values. K and V in one float format of q's dtype take the float form above (any
-/// kernel); other mixes of float formats (e.g. float32 q over bfloat16 K and V) the serving kernel.
+/// kernel = reference runs the float64 specification on the dequantized values ("reference",
+/// gathered). K and V in one float format of q's dtype take the float form above (any kernel);
+/// other mixes of float formats (e.g. float32 q over bfloat16 K and V) the serving kernel.
 /// @throws qkv::Error as the float forms, for operands that do not match their format
 ///   (dtype, scales shape, dtype or layout, fp8 scales not finite and > 0), float64 q, or a
 ///   kernel other than automatic and reference.
@@ -121,5 +126,41 @@ void attention_paged(const TensorView& q, const QuantizedKV& k_pool, const Quant
                      const TensorView& out, const TensorView& cu_seqlens_q, const TensorView& seq_lens,
                      const TensorView& block_table, const AttentionParams& params = {},
                      const std::optional<TensorView>& softmax_lse = std::nullopt);
+
+/// Which path each entry point above would take for exactly these arguments, and why not the
+/// others: one line per kernel the registry has for that entry point, in priority order, as
+/// explain_dispatch() of attention.hpp says them ("NAME: chosen (...)", "NAME: refused (reason)",
+/// "NAME: not requested", "NAME: usable, lower priority"). The kernels:
+///   attention_varlen (float or QuantizedKV)  serving, per-sequence, reference
+///   attention_varlen_backward                per-sequence
+///   attention_paged (float or QuantizedKV)   serving, reference
+/// "serving: chosen (ISA level[, bf16 form])" (the bf16 form for bf16 q over bf16 keys);
+/// "per-sequence: chosen (one qkv::attention call per sequence: flash (avx512) for 3, decode
+/// (avx512) for 1)", each sequence's own choice by qkv::attention's (attention_backward's)
+/// kernels under the same request; per-sequence refuses K and V that are not of q's dtype;
+/// "reference" here is the float64 specification over each sequence's keys gathered (packed or
+/// paged, dequantized). Arguments, shapes and dtypes exactly as the entry point's; runs no
+/// kernel. @throws qkv::Error as the entry point does: every argument check, and a forced kernel
+/// that cannot run a sequence.
+std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                             const AttentionParams& params = {},
+                             const std::optional<TensorView>& softmax_lse = std::nullopt);
+std::string explain_dispatch(const TensorView& q, const QuantizedKV& k, const QuantizedKV& v, const TensorView& out,
+                             const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                             const AttentionParams& params = {},
+                             const std::optional<TensorView>& softmax_lse = std::nullopt);
+std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                             const TensorView& grad_k, const TensorView& grad_v, const TensorView& cu_seqlens_q,
+                             const TensorView& cu_seqlens_k, const AttentionParams& params = {});
+std::string explain_dispatch(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool,
+                             const TensorView& out, const TensorView& cu_seqlens_q, const TensorView& seq_lens,
+                             const TensorView& block_table, const AttentionParams& params = {},
+                             const std::optional<TensorView>& softmax_lse = std::nullopt);
+std::string explain_dispatch(const TensorView& q, const QuantizedKV& k_pool, const QuantizedKV& v_pool,
+                             const TensorView& out, const TensorView& cu_seqlens_q, const TensorView& seq_lens,
+                             const TensorView& block_table, const AttentionParams& params = {},
+                             const std::optional<TensorView>& softmax_lse = std::nullopt);
 
 }  // namespace qkv

@@ -1,6 +1,7 @@
 // The argument checks of attention_varlen, attention_varlen_backward and attention_paged, and their
-// lowering to detail::VarlenProblem. The options and the overlap of outputs with inputs are
-// checked by lower_attention on B = 1 views of the packed operands.
+// lowering to detail::VarlenProblem (VarlenBackwardProblem). The options and the overlap of outputs
+// with inputs are checked by lower_attention on B = 1 views of the packed operands; a backward call
+// lowers each sequence through lower_attention_backward.
 #include "core/validate_varlen.hpp"
 
 #include <algorithm>
@@ -71,6 +72,18 @@ TensorView as_bhsd(const TensorView& t) {
 }
 TensorView as_bhs(const TensorView& t) {
   return TensorView(t.data(), t.dtype(), {1, t.size(0), t.size(1)}, {0, t.stride(0), t.stride(1)});
+}
+
+// Tokens [start, start + len) of a packed [T, H, X] tensor as [1, H, len, X].
+TensorView seq_view(const TensorView& t, std::int64_t start, std::int64_t len) {
+  char* base = static_cast<char*>(t.data()) + start * t.stride(0) * static_cast<std::int64_t>(dtype_size(t.dtype()));
+  return TensorView(t.size(0) ? base : t.data(), t.dtype(), {1, t.size(1), len, t.size(2)},
+                    {0, t.stride(1), t.stride(0), t.stride(2)});
+}
+// Columns [start, start + len) of softmax_lse [H, T] as [1, H, len].
+TensorView lse_view(const TensorView& t, std::int64_t start, std::int64_t len) {
+  char* base = static_cast<char*>(t.data()) + start * t.stride(1) * static_cast<std::int64_t>(dtype_size(t.dtype()));
+  return TensorView(t.size(1) ? base : t.data(), t.dtype(), {1, t.size(0), len}, {0, t.stride(0), t.stride(1)});
 }
 
 void check_lse(const std::optional<TensorView>& lse, std::int64_t Hq, std::int64_t T) {
@@ -306,6 +319,66 @@ VarlenProblem lower_varlen(const TensorView& q, const QuantizedKV& k, const Quan
   check_scales_overlap(k, "k scales", out, softmax_lse);
   check_scales_overlap(v, "v scales", out, softmax_lse);
   return vp;
+}
+
+VarlenBackwardProblem lower_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                            const TensorView& out, const TensorView& softmax_lse,
+                                            const TensorView& grad_out, const TensorView& grad_q,
+                                            const TensorView& grad_k, const TensorView& grad_v,
+                                            const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                                            const AttentionParams& params) {
+  VarlenBackwardProblem vbp;
+  vbp.vp = lower_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, params, softmax_lse);
+  const struct { const TensorView* t; const char* name; const char* axes; const TensorView* like; } grads[] = {
+      {&grad_out, "grad_out", "[total_q,Hq,Dv]", &out},
+      {&grad_q, "grad_q", "[total_q,Hq,D]", &q},
+      {&grad_k, "grad_k", "[total_k,Hkv,D]", &k},
+      {&grad_v, "grad_v", "[total_k,Hkv,Dv]", &v}};
+  for (const auto& g : grads)
+    if (g.t->rank() != 3 || g.t->shape() != g.like->shape())
+      throw Error(std::string(g.name) + ": expected shape " + g.axes + " = " + shape_str(g.like->shape()) + ", got " +
+                  shape_str(g.t->shape()));
+  const VarlenProblem& vp = vbp.vp;
+  vbp.seqs.reserve(static_cast<std::size_t>(vp.batch()));
+  for (std::int64_t b = 0; b < vp.batch(); ++b) {
+    const std::int64_t q0 = vp.cu_q[b], sq = vp.seq_q(b), k0 = vp.cu_k[b], sk = vp.seq_k[b];
+    vbp.seqs.push_back(lower_attention_backward(seq_view(q, q0, sq), seq_view(k, k0, sk), seq_view(v, k0, sk),
+                                                seq_view(out, q0, sq), lse_view(softmax_lse, q0, sq),
+                                                seq_view(grad_out, q0, sq), seq_view(grad_q, q0, sq),
+                                                seq_view(grad_k, k0, sk), seq_view(grad_v, k0, sk), params));
+  }
+  return vbp;
+}
+
+namespace {
+// Element `off` of an operand's data, as the sequence's view addresses it (null stays null).
+const void* shift(const void* data, DType dt, std::int64_t off) {
+  return data ? static_cast<const char*>(data) + off * static_cast<std::int64_t>(dtype_size(dt)) : data;
+}
+void* shift(void* data, DType dt, std::int64_t off) {
+  return data ? static_cast<char*>(data) + off * static_cast<std::int64_t>(dtype_size(dt)) : data;
+}
+}  // namespace
+
+Problem sequence_problem(const VarlenProblem& vp, std::int64_t b, const AttentionParams& params) {
+  Problem s = vp.p;
+  const std::int64_t q0 = vp.cu_q[static_cast<std::size_t>(b)];
+  s.B = 1;
+  s.Sq = vp.seq_q(b);
+  s.Sk = vp.seq_k[static_cast<std::size_t>(b)];
+  s.q.data = shift(s.q.data, s.q.dtype, q0 * s.q.ss);
+  s.out.data = shift(s.out.data, s.out.dtype, q0 * s.out.ss);
+  s.lse.data = shift(s.lse.data, s.lse.dtype, q0 * s.lse.ss);
+  if (!vp.paged) {
+    const std::int64_t k0 = vp.cu_k[static_cast<std::size_t>(b)];
+    s.k.data = shift(s.k.data, s.k.dtype, k0 * s.k.ss);
+    s.v.data = shift(s.v.data, s.v.dtype, k0 * s.v.ss);
+  }
+  const EffectiveWindow w = effective_window(params);
+  const std::int64_t wide = s.Sq + s.Sk + 1;
+  s.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
+  s.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
+  return s;
 }
 
 }  // namespace qkv::detail

@@ -1,6 +1,7 @@
 #pragma once
-// The lowered form of one attention_varlen or attention_paged call (validate_varlen.cpp), read by
-// the serving kernel (src/kernels/serving.cpp). Plain data, strides in elements.
+// The lowered form of one attention_varlen, attention_varlen_backward or attention_paged call
+// (validate_varlen.cpp), read by the serving kernel (src/kernels/serving.cpp) and the registry's
+// other paths of packed calls (src/dispatch/packed.cpp). Plain data, strides in elements.
 #include <cstdint>
 #include <vector>
 
@@ -45,6 +46,14 @@ struct VarlenProblem {
     hi = p.window_right < 0 ? len : std::min<std::int64_t>(len, d + p.window_right + 1);
     if (hi < lo) hi = lo;
   }
+};
+
+/// The lowered form of one attention_varlen_backward call: the forward's packed operands and
+/// options, and each sequence as the B = 1 backward call qkv::attention_backward would lower
+/// on [1, H, len, X] views of the packed tensors.
+struct VarlenBackwardProblem {
+  VarlenProblem vp;
+  std::vector<BackwardProblem> seqs;
 };
 
 }  // namespace qkv::detail

@@ -28,7 +28,9 @@ bool bf16_dot_used() { return detail::bf16_dot_enabled() && detail::active_isa()
 
 std::vector<KernelInfo> compiled_kernels() {
   std::vector<KernelInfo> out;
-  for (const auto& k : detail::kernel_registry()) out.push_back({k.name, k.describe()});
+  // The kernels of qkv::attention: those that describe their compiled ISA variants.
+  for (const auto& k : detail::kernel_registry())
+    if (k.describe) out.push_back({k.name, k.describe()});
   return out;
 }
 

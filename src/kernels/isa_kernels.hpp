@@ -1,12 +1,14 @@
 #pragma once
-// The table through which the ISA-independent glue (flash.cpp, decode.cpp, backward.cpp) reaches the
-// per-ISA instantiations of the attention engine (src/kernels/engine/, instantiated in
-// src/kernels/simd/<isa>/). Each ISA translation unit defines one IsaKernels object; the glue
-// picks one at run time from cpu_features.hpp.
+// The table through which the ISA-independent glue (flash.cpp, decode.cpp, backward.cpp,
+// serving.cpp) reaches the per-ISA instantiations of the attention engine (src/kernels/engine/,
+// instantiated in src/kernels/simd/<isa>/). Each ISA translation unit defines one IsaKernels
+// object; active_isa_kernels() (isa_select.cpp) picks one at run time, the one place that maps an
+// ISA level to the code of every fast kernel.
 #include <cstddef>
 #include <string>
 
 #include "core/problem.hpp"
+#include "kernels/serving.hpp"
 
 namespace qkv::detail {
 
@@ -32,6 +34,12 @@ struct IsaKernels {
   /// The FLOP rate of the bf16 dot product over that of the fp32 FMA, measured on this CPU
   /// (null where the ISA has no bf16 dot product).
   double (*bf16_dot_rate)();
+  /// One work item of the serving kernel (engine/serving_item.hpp): the partials of its rows to
+  /// parts (NS splits per row); bf16_dot: the scores of bf16 queries and keys on the level's bf16
+  /// products (avx512bf16: dot products), as the tiled kernels use them. avx512amx, where
+  /// bf16_dot is always on, has only its tile form.
+  void (*serving_item)(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
+                       std::int64_t NS, char* ws, bool bf16_dot);
 };
 
 #if defined(QKV_HAVE_AVX512)
@@ -65,5 +73,9 @@ bool bf16_dot_enabled() noexcept;
 int call_threads(const Problem& p) noexcept;
 /// "avx512bf16 avx512 avx2 scalar": the compiled levels, each marked usable or not on this CPU.
 std::string isa_summary();
+/// The active level as a kernel choice is explained: "avx512amx"; for a call whose operands the
+/// kernel multiplies in bf16 where the level allows (bf16_operands) and a level that does, with
+/// the form: "avx512amx, bf16 AMX tiles" or "avx512bf16, bf16 dot products".
+std::string active_isa_form(bool bf16_operands);
 
 }  // namespace qkv::detail

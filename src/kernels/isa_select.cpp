@@ -1,4 +1,6 @@
-// Run-time choice of the engine instantiation (src/kernels/simd/<isa>/) for the fast kernels.
+// Run-time choice of the engine instantiation (src/kernels/simd/<isa>/) for every fast kernel:
+// flash, decode, the backward and the serving kernel's items all reach their ISA's code through
+// the IsaKernels table chosen here.
 #include <omp.h>
 
 #include "platform/cpu_features.hpp"
@@ -54,6 +56,15 @@ int call_threads(const Problem& p) noexcept {
   const double macs = static_cast<double>(p.B) * static_cast<double>(p.Hq) * static_cast<double>(p.Sq) *
                       static_cast<double>(p.Sk) * static_cast<double>(p.D + p.Dv);
   return macs < kMinParallelMacs ? 1 : omp_get_max_threads();
+}
+
+std::string active_isa_form(bool bf16_operands) {
+  const Isa isa = active_isa();
+  std::string s = isa_name(isa);
+  bool dot = false;
+  active_isa_kernels(dot);
+  if (bf16_operands && dot) s += isa == Isa::avx512amx ? ", bf16 AMX tiles" : ", bf16 dot products";
+  return s;
 }
 
 std::string isa_summary() {

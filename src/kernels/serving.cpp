@@ -36,7 +36,6 @@
 #include "kernels/kernels.hpp"
 #include "kernels/serving.hpp"
 #include "kernels/workspace.hpp"
-#include "platform/cpu_features.hpp"
 #include "platform/team.hpp"
 
 namespace qkv::detail {
@@ -44,26 +43,6 @@ namespace {
 
 using i64 = std::int64_t;
 constexpr i64 P = kServingSplit;
-
-// The item body of the active ISA level.
-ServingItemFn serving_item_fn() {
-  // By order, so that every level above avx512 takes the avx512 body.
-  const Isa isa = active_isa();
-  (void)isa;
-#if defined(QKV_HAVE_AVX512AMX)
-  // The tile products where the tiled kernels use them (kernels/isa_select.cpp).
-  if (isa == Isa::avx512amx && bf16_dot_enabled()) return serving_item_avx512amx;
-#endif
-#if defined(QKV_HAVE_AVX512)
-  // The bf16 dot products where the tiled kernels use them without AMX tiles.
-  if (isa == Isa::avx512bf16 && bf16_dot_enabled()) return serving_item_avx512_dp;
-  if (isa >= Isa::avx512) return serving_item_avx512;
-#endif
-#if defined(QKV_HAVE_AVX2)
-  if (isa >= Isa::avx2) return serving_item_avx2;
-#endif
-  return serving_item_scalar;
-}
 
 // Row r's split partials (pf floats each: O, then m, l) merged in split order in float64.
 void merge_row(const Problem& p, const float* parts, i64 c_lo, i64 c_hi, i64 Dv, i64 pf, double* accd,
@@ -140,7 +119,9 @@ void serving_kernel(const VarlenProblem& vp) {
   const i64 n = static_cast<i64>(items.size());
   int threads = p.num_threads > 0 ? p.num_threads : (macs < (1 << 20) ? 1 : omp_get_max_threads());
   threads = static_cast<int>(std::max<i64>(1, std::min<i64>(threads, std::max<i64>(n, 1))));
-  const ServingItemFn item = serving_item_fn();
+  // The item body of the active ISA level, from the one ISA table (kernels/isa_select.cpp).
+  bool dot = false;
+  const IsaKernels& isa = active_isa_kernels(dot);
   const std::size_t per = static_cast<std::size_t>(std::max(L.bytes(), static_cast<i64>(p.Dv) * 8 + 64) + 63) / 64 * 64;
   const std::size_t parts_bytes = static_cast<std::size_t>(part_base.back()) * 4;
   char* ws = thread_workspace(parts_bytes + per * static_cast<std::size_t>(threads));
@@ -151,7 +132,8 @@ void serving_kernel(const VarlenProblem& vp) {
     char* mine = tws + per * static_cast<std::size_t>(team.thread());
     team.dynamic(n, [&](i64 x) {
       const ServingItem& it = items[static_cast<std::size_t>(x)];
-      item(vp, it, L, parts + part_base[static_cast<std::size_t>(it.b)], NS[static_cast<std::size_t>(it.b)], mine);
+      isa.serving_item(vp, it, L, parts + part_base[static_cast<std::size_t>(it.b)], NS[static_cast<std::size_t>(it.b)],
+                       mine, dot);
     });
     // Merge: row (token tok, head h), whatever thread takes it.
     double* accd = reinterpret_cast<double*>(mine);

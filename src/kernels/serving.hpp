@@ -1,7 +1,7 @@
 #pragma once
 // The serving kernel's work items: serving.cpp makes and orders them and merges their partials;
 // their body is engine/serving_item.hpp (on engine/serving_rows.hpp), compiled once per ISA level in
-// src/kernels/simd/<isa>/engine_<isa>.cpp.
+// src/kernels/simd/<isa>/engine_<isa>.cpp and reached through IsaKernels::serving_item.
 #include <algorithm>
 #include <cstdint>
 
@@ -31,21 +31,5 @@ struct ServingLayout {
     return floats * 4 + rows * 32 + 12 * 64;
   }
 };
-
-/// One item: partials of its rows to parts (sequence it.b's rows; NS splits per row).
-using ServingItemFn = void (*)(const VarlenProblem&, const ServingItem&, const ServingLayout&, float* parts, std::int64_t NS, char* ws);
-#if defined(QKV_HAVE_AVX512)
-void serving_item_avx512(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
-/// The avx512 item with bf16 dot products for the scores of bf16 queries and keys (avx512bf16).
-void serving_item_avx512_dp(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
-#endif
-#if defined(QKV_HAVE_AVX512AMX)
-/// The avx512 item with AMX tile products for the scores of bf16 queries and keys (avx512amx).
-void serving_item_avx512amx(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
-#endif
-#if defined(QKV_HAVE_AVX2)
-void serving_item_avx2(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
-#endif
-void serving_item_scalar(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS, char* ws);
 
 }  // namespace qkv::detail

@@ -157,6 +157,12 @@ static_assert(IsaOps<Ops>, "Ops must provide what the engine uses (kernels/engin
 
 using E = Engine<Ops>;
 
+// No bf16 products at this level: bf16 inputs are widened to fp32.
+void serving_item(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS,
+                  char* ws, bool) {
+  ServingItemBody<Ops>::run(vp, it, L, parts, NS, ws);
+}
+
 }  // namespace engine_avx2
 
 const IsaKernels kIsaKernelsAvx2 = {
@@ -167,11 +173,7 @@ const IsaKernels kIsaKernelsAvx2 = {
     engine_avx2::Ops::kBq, engine_avx2::Ops::kBk,
     engine_avx2::E::exp_array,
     nullptr,
+    engine_avx2::serving_item,
 };
-
-void serving_item_avx2(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
-                        std::int64_t NS, char* ws) {
-  engine_avx2::ServingItemBody<engine_avx2::Ops>::run(vp, it, L, parts, NS, ws);
-}
 
 }  // namespace qkv::detail

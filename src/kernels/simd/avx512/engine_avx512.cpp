@@ -94,6 +94,14 @@ double bf16_dot_rate() {
   return (64.0 / td) / (32.0 / tf);
 }
 
+// bf16_dot (avx512bf16): the scores of bf16 queries and keys on vdpbf16ps.
+void serving_item(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS,
+                  char* ws, bool bf16_dot) {
+  using Body = ServingItemBody<Ops>;
+  if (bf16_dot) Body::run<Body::Score::dp>(vp, it, L, parts, NS, ws);
+  else Body::run(vp, it, L, parts, NS, ws);
+}
+
 }  // namespace engine_avx512
 
 const IsaKernels kIsaKernelsAvx512 = {
@@ -104,17 +112,7 @@ const IsaKernels kIsaKernelsAvx512 = {
     engine_avx512::Ops::kBq, engine_avx512::Ops::kBk,
     engine_avx512::E::exp_array,
     engine_avx512::bf16_dot_rate,
+    engine_avx512::serving_item,
 };
-
-void serving_item_avx512(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
-                        std::int64_t NS, char* ws) {
-  engine_avx512::ServingItemBody<engine_avx512::Ops>::run(vp, it, L, parts, NS, ws);
-}
-
-void serving_item_avx512_dp(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
-                            std::int64_t NS, char* ws) {
-  using Body = engine_avx512::ServingItemBody<engine_avx512::Ops>;
-  Body::run<Body::Score::dp>(vp, it, L, parts, NS, ws);
-}
 
 }  // namespace qkv::detail

@@ -228,6 +228,15 @@ static_assert(IsaOps<Ops>, "Ops must provide what the engine uses (kernels/engin
 
 using E = Engine<Ops>;
 
+// The scores of bf16 queries and keys as AMX tile products. bf16_dot is always on at this level
+// (bf16_dot_enabled(), kernels/isa_select.cpp), so the flag is not read: the tile form is the
+// level's one body (an fp32 instantiation beside it would never run).
+void serving_item(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS,
+                  char* ws, bool) {
+  using Body = ServingItemBody<Ops>;
+  Body::run<Body::Score::tiles>(vp, it, L, parts, NS, ws);
+}
+
 }  // namespace engine_avx512amx
 
 const IsaKernels kIsaKernelsAvx512Amx = {
@@ -238,12 +247,7 @@ const IsaKernels kIsaKernelsAvx512Amx = {
     engine_avx512amx::Ops::kBq, engine_avx512amx::Ops::kBk,
     engine_avx512amx::E::exp_array,
     nullptr,
+    engine_avx512amx::serving_item,
 };
-
-void serving_item_avx512amx(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
-                            std::int64_t NS, char* ws) {
-  using Body = engine_avx512amx::ServingItemBody<engine_avx512amx::Ops>;
-  Body::run<Body::Score::tiles>(vp, it, L, parts, NS, ws);
-}
 
 }  // namespace qkv::detail

@@ -56,6 +56,12 @@ static_assert(IsaOps<Ops>, "Ops must provide what the engine uses (kernels/engin
 
 using E = Engine<Ops>;
 
+// No bf16 products at this level: bf16 inputs are widened to fp32.
+void serving_item(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts, std::int64_t NS,
+                  char* ws, bool) {
+  ServingItemBody<Ops>::run(vp, it, L, parts, NS, ws);
+}
+
 }  // namespace engine_scalar
 
 const IsaKernels kIsaKernelsScalar = {
@@ -66,11 +72,7 @@ const IsaKernels kIsaKernelsScalar = {
     engine_scalar::Ops::kBq, engine_scalar::Ops::kBk,
     engine_scalar::E::exp_array,
     nullptr,
+    engine_scalar::serving_item,
 };
-
-void serving_item_scalar(const VarlenProblem& vp, const ServingItem& it, const ServingLayout& L, float* parts,
-                        std::int64_t NS, char* ws) {
-  engine_scalar::ServingItemBody<engine_scalar::Ops>::run(vp, it, L, parts, NS, ws);
-}
 
 }  // namespace qkv::detail
