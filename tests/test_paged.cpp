@@ -132,6 +132,36 @@ TEST(Paged, QueriesOfAnotherDtypeThanThePool) {
   EXPECT_LE(max_err(o, ref, "out"), 5e-6);
 }
 
+// A block table may name one block several times, so a sequence can be longer than the pool. A
+// window wider than the pool (but not than the sequence) must still admit every key it covers:
+// it was once clamped to the pool's size, and the serving kernel then dropped the oldest keys.
+TEST(Paged, WindowWiderThanThePoolOfARepeatingTable) {
+  const i64 bs = 4, nb = 2, len = 30, Hq = 2, Hkv = 1, D = 8;
+  Tensor k_pool(DType::f32, {nb, Hkv, bs, D}), v_pool(DType::f32, {nb, Hkv, bs, D});
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  for (Tensor* t : {&k_pool, &v_pool})
+    for (i64 i = 0; i < t->numel(); ++i) t->data_as<float>()[i] = nd(rng);
+  const i64 cols = (len + bs - 1) / bs;
+  Tensor table(DType::i32, {1, cols}), lens(DType::i32, {1}), cu_q(DType::i32, {2});
+  for (i64 c = 0; c < cols; ++c) table.data_as<std::int32_t>()[c] = static_cast<std::int32_t>(c % nb);
+  lens.data_as<std::int32_t>()[0] = len;
+  cu_q.data_as<std::int32_t>()[0] = 0;
+  cu_q.data_as<std::int32_t>()[1] = 1;
+  Tensor q(DType::f32, {1, Hq, D});
+  for (i64 i = 0; i < q.numel(); ++i) q.data_as<float>()[i] = nd(rng);
+  AttentionParams wide;
+  wide.window_left = 100;  // wider than the sequence: every key
+  Tensor o(DType::f32, {1, Hq, D}), o_plain(DType::f32, {1, Hq, D}), ref(DType::f64, {1, Hq, D});
+  attention_paged(q, k_pool, v_pool, o, cu_q, lens, table, wide);
+  attention_paged(q, k_pool, v_pool, o_plain, cu_q, lens, table, AttentionParams{});
+  AttentionParams rp = wide;
+  rp.kernel = KernelKind::reference;
+  attention_paged(q, k_pool, v_pool, ref, cu_q, lens, table, rp);
+  EXPECT_TRUE(same_bits(o, o_plain)) << "a window wider than the sequence changed the output";
+  EXPECT_LE(max_err(o, ref, "out"), 5e-6);
+}
+
 TEST(PagedKVCache, PagesAreFreedAndReused) {
   PagedKVCache c(8, 16, 2, 8);
   EXPECT_EQ(c.num_free_blocks(), 8);

@@ -56,9 +56,8 @@ void run_backward(const BackwardInputs& b, const AttentionParams& params);
 /// The kernel that qkv::attention() dispatches for these arguments, from explain_dispatch():
 /// the chosen line, e.g. "flash (AVX-512, fp32)" or "reference".
 std::string dispatched_kernel(const Inputs& in, const AttentionParams& params);
-/// The kernel that qkv::attention_backward() runs for a call like `b`: "reference" when forced
-/// (params.kernel) or when a call forcing KernelKind::flash on a small problem of the same dtype,
-/// D, heads and mask is refused; "flash" otherwise.
+/// The kernel that qkv::attention_backward() runs for `b`, from its explain_dispatch(): the
+/// chosen line, e.g. "flash (avx512amx)" or "reference".
 std::string dispatched_backward_kernel(const BackwardInputs& b, const AttentionParams& params);
 
 // ---- naive unfused baseline -------------------------------------------------------------------

@@ -110,29 +110,9 @@ void run_backward(const BackwardInputs& b, const AttentionParams& params) {
   attention_backward(b.in.q, b.in.k, b.in.v, b.in.out, b.lse, b.grad_out, b.grad_q, b.grad_k, b.grad_v, params);
 }
 
-std::string dispatched_backward_kernel(const BackwardInputs& b, const AttentionParams& params) {
-  if (params.kernel == KernelKind::reference) return "reference";
-  // The public API has no explain_dispatch() for the backward pass: ask the fast kernel directly
-  // whether it takes a small call of the same kind (dtype, D, heads, mask).
-  const BenchShape big{b.in.q.shape()[0], b.in.q.shape()[1], b.in.k.shape()[1], b.in.q.shape()[2],
-                       b.in.k.shape()[2], b.in.q.shape()[3]};
-  const BenchShape small{1, big.Hq, big.Hkv, std::min<std::int64_t>(big.Sq, 64), std::min<std::int64_t>(big.Sk, 64),
-                         big.D};
-  AttentionParams p = params;
-  p.kernel = KernelKind::automatic;
-  p.num_threads = 1;
-  const BackwardInputs probe = make_backward_inputs(small, b.in.q.dtype(), b.grad_q.dtype(), p);
-  p.kernel = KernelKind::flash;
-  try {
-    run_backward(probe, p);
-  } catch (const Error&) {
-    return "reference";
-  }
-  return "flash";
-}
-
-std::string dispatched_kernel(const Inputs& in, const AttentionParams& params) {
-  const std::string text = explain_dispatch(in.q, in.k, in.v, in.out, params);
+namespace {
+// The chosen line of an explain_dispatch() text, as "name (detail)", e.g. "flash (avx512amx)".
+std::string chosen_kernel(const std::string& text) {
   std::istringstream lines(text);
   for (std::string line; std::getline(lines, line);) {
     const auto pos = line.find(": chosen");
@@ -142,6 +122,16 @@ std::string dispatched_kernel(const Inputs& in, const AttentionParams& params) {
     return rest.empty() ? line.substr(0, pos) : line.substr(0, pos) + " " + rest;
   }
   return "unknown";
+}
+}  // namespace
+
+std::string dispatched_backward_kernel(const BackwardInputs& b, const AttentionParams& params) {
+  return chosen_kernel(explain_dispatch(b.in.q, b.in.k, b.in.v, b.in.out, b.lse, b.grad_out, b.grad_q, b.grad_k,
+                                        b.grad_v, params));
+}
+
+std::string dispatched_kernel(const Inputs& in, const AttentionParams& params) {
+  return chosen_kernel(explain_dispatch(in.q, in.k, in.v, in.out, params));
 }
 
 double median(std::vector<double> v) {

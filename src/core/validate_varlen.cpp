@@ -182,10 +182,6 @@ VarlenProblem lower_paged_impl(const TensorView& q, const TensorView& k_pool, co
   vp.p = lower_attention(as_bhsd(q), k0, v0, as_bhsd(out), params, lse4, std::nullopt);
   Problem& p = vp.p;
   p.Sk = k_pool.size(0) * k_pool.size(2);
-  const EffectiveWindow w = effective_window(params);
-  const std::int64_t wide = p.Sq + p.Sk + 1;
-  p.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
-  p.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
   p.k = {k_pool.data(), pd, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)};
   p.v = {v_pool.data(), v_pool.dtype(), v_pool.stride(0), v_pool.stride(1), v_pool.stride(2)};
   if (kc) { vp.kc = *kc; vp.vc = *vc; }
@@ -206,6 +202,13 @@ VarlenProblem lower_paged_impl(const TensorView& q, const TensorView& k_pool, co
   vp.bt_stride = block_table.stride(0);
   vp.bt_col_stride = block_table.stride(1);
   const std::int64_t max_blocks = block_table.size(1), nb = k_pool.size(0);
+  // A window wider than any sequence admits the same keys as an unbounded one; clamped so the
+  // kernels' key arithmetic cannot overflow. A sequence may be longer than the pool (a block
+  // table may name one block twice), so the bound is the table's reach, not the pool's size.
+  const EffectiveWindow w = effective_window(params);
+  const std::int64_t wide = p.Sq + std::max(p.Sk, max_blocks * vp.block_size) + 1;
+  p.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
+  p.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
   for (std::int64_t b = 0; b < batch; ++b) {
     const std::int64_t len = vp.seq_k[static_cast<std::size_t>(b)];
     if (len < vp.seq_q(b) || len > max_blocks * vp.block_size)
