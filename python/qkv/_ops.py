@@ -318,15 +318,27 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=N
 
 @keyword_only
 def explain_dispatch(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW,
-                     softcap=SOFTCAP, mask=None, kv_lens=None, layout=LAYOUT, kernel=KERNEL, num_threads=None, **unknown):
+                     softcap=SOFTCAP, mask=None, kv_lens=None, layout=LAYOUT, kernel=KERNEL, num_threads=None,
+                     backward=False, **unknown):
     """Which kernel attention() runs for these arguments and why the others refuse (one line each).
 
-    Args and Raises: as attention()."""
+    With backward=True, the same for attention_backward() of these arguments (the gradients in q's
+    dtype): "flash" (FlashAttention-2 backward) or "reference" (float64). Nothing is computed.
+
+    Args and Raises: as attention(); backward must be a bool."""
     if positional or unknown:
         misuse(explain_dispatch, positional, unknown)
     fw = _tensors(q, k, v)
     key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
     _ranks(q, k, v, layout)
+    backward = _options._flag("backward", backward)
     qs = q.shape
     out = _empty(fw, q, (qs[0], qs[1], qs[2], v.shape[3]))
-    return _qkv._explain_dispatch(q, k, v, out, arrays(fw, mask, kv_lens), KEPT.get(key) or _options.options(key))
+    opts = KEPT.get(key) or _options.options(key)
+    if not backward:
+        return _qkv._explain_dispatch(q, k, v, out, arrays(fw, mask, kv_lens), opts)
+    B, Hq, Sq = (qs[0], qs[2], qs[1]) if layout == "bshd" else (qs[0], qs[1], qs[2])
+    lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q))
+    grads = (_empty(fw, q, tuple(q.shape)), _empty(fw, q, tuple(k.shape)), _empty(fw, q, tuple(v.shape)))
+    return _qkv._explain_dispatch_backward(q, k, v, out, lse, out, *grads,
+                                           arrays(fw, mask, kv_lens), opts)

@@ -34,22 +34,39 @@ void bind_ops(nb::module_& m) {
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse").none(), nb::arg("probs").none(),
       nb::arg("arrays"), nb::arg("options"), "qkv::attention on caller-allocated outputs (use qkv.attention).");
 
+  // The backward's arguments as views; `run` is attention_backward or its explain_dispatch.
+  auto backward_call = [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse,
+                          nb::handle grad_out, nb::handle grad_q, nb::handle grad_k, nb::handle grad_v,
+                          nb::handle arrays, const Options& o, auto&& run) {
+    CallArrays a;
+    const AttentionParams p = params_of(o, a, arrays);
+    return run(as_bhsd(a.in("q", q), o), as_bhsd(a.in("k", k), o), as_bhsd(a.in("v", v), o),
+               as_bhsd(a.in("out", out), o), a.in("softmax_lse", lse), as_bhsd(a.in("grad_out", grad_out), o),
+               as_bhsd(a.out("grad_q", grad_q), o), as_bhsd(a.out("grad_k", grad_k), o),
+               as_bhsd(a.out("grad_v", grad_v), o), p);
+  };
   m.def(
       "_attention_backward",
-      [](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle grad_out,
-         nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o) {
-        CallArrays a;
-        const AttentionParams p = params_of(o, a, arrays);
-        const TensorView qv = as_bhsd(a.in("q", q), o), kv = as_bhsd(a.in("k", k), o), vv = as_bhsd(a.in("v", v), o),
-                         ov = as_bhsd(a.in("out", out), o), lv = a.in("softmax_lse", lse),
-                         dov = as_bhsd(a.in("grad_out", grad_out), o), dqv = as_bhsd(a.out("grad_q", grad_q), o),
-                         dkv = as_bhsd(a.out("grad_k", grad_k), o), dvv = as_bhsd(a.out("grad_v", grad_v), o);
-        nb::gil_scoped_release release;
-        attention_backward(qv, kv, vv, ov, lv, dov, dqv, dkv, dvv, p);
+      [backward_call](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle grad_out,
+                      nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o) {
+        backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o, [](const auto&... x) {
+          nb::gil_scoped_release release;
+          attention_backward(x...);
+        });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"),
       nb::arg("grad_q"), nb::arg("grad_k"), nb::arg("grad_v"), nb::arg("arrays"), nb::arg("options"),
       "qkv::attention_backward on caller-allocated gradients (use qkv.attention_backward).");
+  m.def(
+      "_explain_dispatch_backward",
+      [backward_call](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle grad_out,
+                      nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o) {
+        return backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o,
+                             [](const auto&... x) { return explain_dispatch(x...); });
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"),
+      nb::arg("grad_q"), nb::arg("grad_k"), nb::arg("grad_v"), nb::arg("arrays"), nb::arg("options"),
+      "qkv::explain_dispatch of attention_backward (use qkv.explain_dispatch(..., backward=True)).");
 
   // What the C++ side sees of an array: its address, shape, strides (elements) and dtype. The
   // zero-copy tests compare the address with the caller's.

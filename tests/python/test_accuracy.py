@@ -1,6 +1,7 @@
 """Forward and every gradient of qkv (through the custom operator, i.e. autograd) against
 PyTorch's scaled_dot_product_attention in float64, with FlashAttention's rule: the error of qkv's
 fp32 (bf16) result is at most 2x that of PyTorch's fp32 (bf16) math path, plus a floor."""
+import numpy as np
 import pytest
 import torch
 
@@ -114,3 +115,20 @@ def test_return_probs_and_reference_kernel():
     p = torch.softmax(q @ k.transpose(-1, -2) / 8 ** 0.5 + add, -1)
     assert torch.allclose(probs, p, atol=1e-12) and torch.allclose(out, p @ v, atol=1e-12)
     assert "reference" in qkv.explain_dispatch(q, k, v, kernel="reference")
+
+
+def test_explain_dispatch_of_the_backward():
+    # The backward's choice is explained as the forward's: flash for float32 (also BSHD tensors that
+    # require grad), the reference for float64 and when forced; nothing is computed.
+    q = np.random.default_rng(3).standard_normal((1, 4, 40, 16)).astype(np.float32)
+    text = qkv.explain_dispatch(q, q, q, causal=True, backward=True)
+    assert text.splitlines()[0].startswith("flash: chosen") and "decode" not in text
+    t = torch.randn(1, 40, 4, 16, requires_grad=True)
+    assert qkv.explain_dispatch(t, t, t, layout="bshd", backward=True).startswith("flash: chosen")
+    d = q.astype(np.float64)
+    assert "flash: refused (float64" in qkv.explain_dispatch(d, d, d, backward=True)
+    assert "reference: chosen" in qkv.explain_dispatch(q, q, q, kernel="reference", backward=True)
+    with pytest.raises(ValueError, match="decode"):
+        qkv.explain_dispatch(q, q, q, kernel="decode", backward=True)
+    with pytest.raises(TypeError, match="backward"):
+        qkv.explain_dispatch(q, q, q, backward="yes")
