@@ -4,9 +4,8 @@
 // Jacobian diag(a) - a a^T (the gradient the scores receive) vanishes; scaled by 1/sqrt(d_k)
 // the variance is 1 whatever d_k.
 //
-// Random numbers: std::mt19937_64 (output fixed by the standard) and Box-Muller, written out
-// here because std::normal_distribution's algorithm is implementation-defined and the figures
-// must be reproducible from the seed on any standard library.
+// Random numbers: detail::Rng (tensor/random.hpp), so the figures are reproducible from the seed
+// on any standard library.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -16,34 +15,12 @@
 #include "explain/draw.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
+#include "tensor/random.hpp"
 
 namespace qkv::explain {
 namespace {
 
 using detail::Rgb;
-
-class Normal {
- public:
-  explicit Normal(std::uint64_t seed) : gen_(seed) {}
-  double operator()() {
-    if (have_) {
-      have_ = false;
-      return spare_;
-    }
-    // u1 in (0, 1] so that log(u1) is finite; u2 in [0, 1).
-    const double u1 = (static_cast<double>(gen_() >> 11) + 1.0) * 0x1.0p-53;
-    const double u2 = static_cast<double>(gen_() >> 11) * 0x1.0p-53;
-    const double r = std::sqrt(-2.0 * std::log(u1)), a = 2.0 * 3.14159265358979323846 * u2;
-    spare_ = r * std::sin(a);
-    have_ = true;
-    return r * std::cos(a);
-  }
-
- private:
-  std::mt19937_64 gen_;
-  double spare_ = 0.0;
-  bool have_ = false;
-};
 
 // Welford's running mean and variance (population variance of all values seen).
 struct Moments {
@@ -113,7 +90,7 @@ std::vector<ScalingRow> scaling_study(const ScalingOptions& o) {
   std::vector<ScalingRow> rows;
   for (const std::int64_t d : o.d_k) {
     // Each d_k draws from its own stream so that adding a d_k leaves the others unchanged.
-    Normal normal(o.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(d));
+    qkv::detail::Rng rng(o.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(d));
     const double inv = 1.0 / std::sqrt(static_cast<double>(d));
     std::vector<double> q(static_cast<std::size_t>(d)), s(static_cast<std::size_t>(o.n_keys)),
         ss(static_cast<std::size_t>(o.n_keys)), a(static_cast<std::size_t>(o.n_keys));
@@ -124,11 +101,11 @@ std::vector<ScalingRow> scaling_study(const ScalingOptions& o) {
     ScalingRow r;
     r.d_k = d;
     for (std::int64_t n = 0; n < o.samples; ++n) {
-      for (auto& x : q) x = normal();
+      for (auto& x : q) x = rng.normal();
       double sq = 0;
       for (std::int64_t j = 0; j < o.n_keys; ++j) {
         double acc = 0;
-        for (std::int64_t x = 0; x < d; ++x) acc += q[static_cast<std::size_t>(x)] * normal();
+        for (std::int64_t x = 0; x < d; ++x) acc += q[static_cast<std::size_t>(x)] * rng.normal();
         s[static_cast<std::size_t>(j)] = acc;
         ss[static_cast<std::size_t>(j)] = acc * inv;
         dot.add(acc);

@@ -87,15 +87,9 @@ TensorView Llama::forward(std::span<const int> tokens, bool all_logits) {
                 " exceed max_seq_len (" + std::to_string(m.length + S) + " > " + std::to_string(m.max_seq) + ")");
   const int dim = m.dim, kv = m.kv_dim, hid = m.hidden, Si = static_cast<int>(S);
   const int N = dim + 2 * kv;
-  Tensor x(DType::f32, {S, dim}), xb(DType::f32, {S, dim}), qkv(DType::f32, {S, N}),
-      att(DType::f32, {S, dim});
-  Tensor h13(DType::f32, {S, 2 * hid}), hb(DType::f32, {S, hid});
-  float* xd = x.data_as<float>();
-  float* xbd = xb.data_as<float>();
-  float* qd = qkv.data_as<float>();
-  for (std::int64_t t = 0; t < S; ++t)
-    std::memcpy(xd + t * dim, m.model.token_embedding.data_as<const float>() + std::int64_t{tokens[t]} * dim,
-                static_cast<std::size_t>(dim) * sizeof(float));
+  StepBuffers st(tokens, m.model.token_embedding.data_as<const float>(), dim, kv, hid);
+  Tensor &att = st.att, &h13 = st.h13, &hb = st.hb;
+  float *xd = st.x.data_as<float>(), *xbd = st.xb.data_as<float>(), *qd = st.qkv.data_as<float>();
   std::vector<std::int64_t> pos(static_cast<std::size_t>(S));
   for (std::int64_t t = 0; t < S; ++t) pos[static_cast<std::size_t>(t)] = m.length + t;
   RopeConfig rope;

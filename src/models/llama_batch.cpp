@@ -87,14 +87,9 @@ TensorView LlamaBatch::step(std::span<const std::int64_t> seqs, std::span<const 
   if (m.logits.shape() != Shape{n, m.vocab}) m.logits = Tensor(DType::f32, {n, m.vocab});
   std::memset(m.logits.data(), 0, m.logits.nbytes());
   if (T == 0) return m.logits.view();
-  Tensor x(DType::f32, {T, dim}), xb(DType::f32, {T, dim}), qkv(DType::f32, {T, N}), att(DType::f32, {T, dim});
-  Tensor h13(DType::f32, {T, 2 * hid}), hb(DType::f32, {T, hid});
-  float* xd = x.data_as<float>();
-  float* xbd = xb.data_as<float>();
-  float* qd = qkv.data_as<float>();
-  for (std::int64_t t = 0; t < T; ++t)
-    std::memcpy(xd + t * dim, m.model.token_embedding.data_as<const float>() + std::int64_t{tokens[t]} * dim,
-                static_cast<std::size_t>(dim) * sizeof(float));
+  StepBuffers st(tokens, m.model.token_embedding.data_as<const float>(), dim, kv, hid);
+  Tensor &att = st.att, &h13 = st.h13, &hb = st.hb;
+  float *xd = st.x.data_as<float>(), *xbd = st.xb.data_as<float>(), *qd = st.qkv.data_as<float>();
   std::vector<std::int64_t> first(seqs.size());  // first row of each sequence
   for (std::size_t b = 0, r = 0; b < seqs.size(); r += counts[b], ++b) first[b] = static_cast<std::int64_t>(r);
   // c[rows of b] = a[rows of b] w^T for each sequence b: its own GEMM, as it would run alone.

@@ -64,4 +64,24 @@ inline void fuse_layer_weights(const Llama2cLayer& layer, std::int64_t dim, std:
   w13.push_back(std::move(w));
 }
 
+// The activations of one forward step over T tokens, as row-major [T, features] matrices: x (the
+// residual stream, the tokens' embeddings to start with), xb (its normalised copy), qkv
+// ([T, dim + 2 kv_dim], the fused projections), att (the attention output), h13 ([T, 2 hidden])
+// and hb ([T, hidden], the SwiGLU output).
+struct StepBuffers {
+  Tensor x, xb, qkv, att, h13, hb;
+  StepBuffers(std::span<const int> tokens, const float* embedding, int dim, int kv_dim, int hidden) {
+    const auto T = static_cast<std::int64_t>(tokens.size());
+    x = Tensor(DType::f32, {T, dim});
+    xb = Tensor(DType::f32, {T, dim});
+    qkv = Tensor(DType::f32, {T, dim + 2 * kv_dim});
+    att = Tensor(DType::f32, {T, dim});
+    h13 = Tensor(DType::f32, {T, 2 * hidden});
+    hb = Tensor(DType::f32, {T, hidden});
+    for (std::int64_t t = 0; t < T; ++t)
+      std::memcpy(x.data_as<float>() + t * dim, embedding + std::int64_t{tokens[static_cast<std::size_t>(t)]} * dim,
+                  static_cast<std::size_t>(dim) * sizeof(float));
+  }
+};
+
 }  // namespace qkv::llama_detail

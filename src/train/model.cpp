@@ -14,9 +14,11 @@
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 #include "qkv/train.hpp"
-#include "train/random.hpp"
+#include "tensor/random.hpp"
 
 namespace qkv::train {
+using detail::Rng;
+using detail::mix;
 namespace {
 
 constexpr double kNormEps = 1e-5;

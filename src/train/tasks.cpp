@@ -1,4 +1,4 @@
-// The training tasks, generated from a seed (train/random.hpp: the same data on any standard
+// The training tasks, generated from a seed (tensor/random.hpp: the same data on any standard
 // library). Each batch has its own stream, mix(seed, index), so batch i never depends on how many
 // batches were drawn before it.
 #include <numeric>
@@ -7,9 +7,11 @@
 
 #include "qkv/error.hpp"
 #include "qkv/train.hpp"
-#include "train/random.hpp"
+#include "tensor/random.hpp"
 
 namespace qkv::train {
+using detail::Rng;
+using detail::mix;
 
 Task parse_task(const std::string& name) {
   if (name == "recall") return Task::recall;

@@ -7,9 +7,10 @@
 
 #include "qkv/error.hpp"
 #include "qkv/train.hpp"
-#include "train/random.hpp"
+#include "tensor/random.hpp"
 
 namespace qkv::train {
+using detail::mix;
 namespace {
 
 double sum_squares(const TensorView& t) {

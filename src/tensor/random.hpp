@@ -1,15 +1,15 @@
 #pragma once
-// Reproducible random numbers for the trainer: std::mt19937_64 (output fixed by the standard),
-// unbiased integers by rejection, normals by Box-Muller, all written out so that a seed gives the
-// same data and weights on any standard library (the standard distributions are
-// implementation-defined).
+// Reproducible random numbers for what qkv generates from a seed (the trainer's data and weights,
+// the figures of the scaling study): std::mt19937_64 (output fixed by the standard), unbiased
+// integers by rejection, normals by Box-Muller, all written out so that a seed gives the same
+// numbers on any standard library (the standard distributions are implementation-defined).
 #include <cmath>
 #include <cstdint>
 #include <random>
 #include <utility>
 #include <vector>
 
-namespace qkv::train {
+namespace qkv::detail {
 
 // SplitMix64's finaliser (Steele et al. 2014) of seed + golden-ratio multiples of `stream`:
 // independent-looking seeds for the weights, the data and each batch.
@@ -57,4 +57,4 @@ class Rng {
   bool have_ = false;
 };
 
-}  // namespace qkv::train
+}  // namespace qkv::detail
