@@ -290,6 +290,45 @@ TEST(Npy, AtomicFileSetKeepsEveryPathOnFailure) {
   fs::remove(b);
 }
 
+// A path that names a directory (or nothing) is refused when it is added, before anything is
+// written: renaming over a directory would fail only in commit(), after the earlier paths of
+// the set had been replaced.
+TEST(Npy, AtomicFileSetRefusesADirectoryBeforeWriting) {
+  float x[2] = {1, 2};
+  const fs::path a = tmp() / "dir_a.npy", d = tmp() / "a_directory";
+  fs::create_directories(d);
+  write_npy(a, TensorView(x, DType::f32, {2}));
+  for (const fs::path& bad : {d, fs::path()}) {
+    try {
+      detail::AtomicFileSet set;
+      set.add("--a", a, [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {1})); });
+      set.add("--b", bad, [&](const fs::path& to) { write_npy(to, TensorView(x, DType::f32, {1})); });
+      set.commit();
+      FAIL() << "'" << bad << "' is not a file path";
+    } catch (const Error& e) {
+      const std::string m = e.what();
+      EXPECT_EQ(m.rfind("--b: ", 0), 0u) << m;
+      EXPECT_NE(m.find(bad.empty() ? "expected a file path, got ''" : d.string() + ": is a directory"),
+                std::string::npos) << m;
+    }
+    EXPECT_EQ(read_npy(a).shape(), Shape{2});  // kept
+    EXPECT_TRUE(fs::is_directory(d));
+  }
+  // A single file: the same refusal, and no temporary file left in the directory.
+  for (const fs::path& bad : {d, fs::path()}) {
+    try {
+      write_npy(bad, TensorView(x, DType::f32, {2}));
+      FAIL() << "'" << bad << "' is not a file path";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(bad.empty() ? "expected a file path, got ''" : "is a directory"),
+                std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(fs::is_empty(d));
+  fs::remove(d);
+  fs::remove(a);
+}
+
 // --- versions, layouts and byte orders ---------------------------------------------------------
 
 TEST(Npy, Versions1To3) {

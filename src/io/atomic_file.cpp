@@ -9,8 +9,22 @@
 #include "qkv/error.hpp"
 
 namespace qkv::detail {
+namespace {
+
+// A target that cannot become a file, refused before anything is written: renaming a finished
+// file over a directory fails only at the end, after the other files of a set are in place. (A
+// symbolic link is replaced by the rename, wherever it points, so it is not followed here.)
+void check_target(const std::filesystem::path& path) {
+  if (path.empty()) throw Error("expected a file path, got ''");
+  std::error_code ec;
+  if (std::filesystem::is_directory(std::filesystem::symlink_status(path, ec)))
+    throw Error(path.string() + ": is a directory");
+}
+
+}  // namespace
 
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write) {
+  check_target(path);
   std::filesystem::path tmp = path;
   tmp += ".tmp" + std::to_string(::getpid());
   std::error_code ec;
@@ -47,6 +61,12 @@ void AtomicFileSet::discard() noexcept {
 
 void AtomicFileSet::add(const std::string& what, const std::filesystem::path& path,
                         const std::function<void(const std::filesystem::path& staging)>& write) {
+  try {
+    check_target(path);
+  } catch (const Error& e) {
+    discard();
+    throw Error(what + ": " + e.what());
+  }
   // Hidden, beside the path, with its extension (writers that choose a format by it still do).
   std::string name = ".";
   name += path.filename().string();

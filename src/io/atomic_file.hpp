@@ -13,8 +13,8 @@ namespace qkv::detail {
 /// Writes `path` through a temporary file beside it (`<path>.tmp<pid>`) that `write` fills and
 /// that is renamed over `path` only once it is complete; on any failure the temporary file is
 /// removed and qkv::Error names `path` ("cannot open for writing", "write failed", "cannot
-/// rename the finished file into place"). An exception thrown by `write` propagates after the
-/// same clean-up.
+/// rename the finished file into place"). An empty path or one that names a directory is refused
+/// before `write` runs. An exception thrown by `write` propagates after the same clean-up.
 void write_file_atomically(const std::filesystem::path& path, const std::function<void(std::ostream&)>& write);
 /// The same for bytes already in memory.
 void write_file_atomically(const std::filesystem::path& path, std::string_view bytes);
@@ -22,10 +22,11 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view b
 /// Several output files of one command as one: add() has `write` fill a staging file beside the
 /// path (`.<name>.part<pid><extension>`; any writer that takes a path, such as write_npy), and commit()
 /// renames every staging file over its path once all of them are complete. A failure in add()
-/// removes the staging files and leaves every path as it was (a file already there is kept), as
-/// does destroying the set before commit(); its qkv::Error reads "<what>: <path>: <reason>". Only
-/// a rename failing inside commit() (after every file is complete) can leave some paths
-/// replaced and others not.
+/// (an empty path or one that names a directory included, refused before `write` runs) removes
+/// the staging files and leaves every path as it was (a file already there is kept), as does
+/// destroying the set before commit(); its qkv::Error reads "<what>: <path>: <reason>". Only a
+/// rename failing inside commit() (after every file is complete) can leave some paths replaced
+/// and others not.
 class AtomicFileSet {
  public:
   AtomicFileSet() = default;

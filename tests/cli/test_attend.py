@@ -417,6 +417,15 @@ def error_cases(tmp):
                  [o, l]))
     o, l, p = outputs("same_path")
     runs.append(("--lse same path as --out", base + ["--out", o, "--lse", o], "--lse", [o]))
+    # A directory as a later output: refused before --out is written, not when renaming into place.
+    a_dir = os.path.join(tmp, "a_directory")
+    os.makedirs(a_dir, exist_ok=True)
+    o, l, p = outputs("dir_lse")
+    runs.append(("a directory as --lse (after --out)", base + ["--out", o, "--lse", a_dir, "--probs", p],
+                 "--lse: " + a_dir + ": is a directory", [o, p]))
+    o, l, p = outputs("dir_probs")
+    runs.append(("a directory as --probs (after --out and --lse)", base + ["--out", o, "--lse", l, "--probs", a_dir],
+                 "--probs: " + a_dir + ": is a directory", [o, l]))
 
     for name, args, needle, outs in runs:
         before = set(os.listdir(tmp))
