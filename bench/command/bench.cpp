@@ -260,14 +260,19 @@ void add_bench(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--blas-core", o->blas_core,
                   "run the baseline with OPENBLAS_CORETYPE=NAME (default: unset, OpenBLAS detects the CPU)");
-  cmd->add_option("--json", o->json_path, "also write the rows as JSON to FILE ('-' = stdout; the table then goes to stderr)");
-  cmd->add_option("--markdown", o->markdown_path, "also write the results as a Markdown table to FILE");
+  // An empty path would read as the option not given: the rows measured, nothing written.
+  const CLI::Validator file_path(
+      [](std::string& s) -> std::string { return s.empty() ? "expected a file path, got ''" : ""; }, "FILE");
+  cmd->add_option("--json", o->json_path, "also write the rows as JSON to FILE ('-' = stdout; the table then goes to stderr)")
+      ->check(file_path);
+  cmd->add_option("--markdown", o->markdown_path, "also write the results as a Markdown table to FILE")
+      ->check(file_path);
   auto* report = cmd->add_option(
       "--report", o->report_path,
       "instead: measure this machine's bounds (FMA, bf16/AMX, DRAM read, OpenBLAS SGEMM) and the standard rows of "
       "every kind (forward, backward, decode, serving, quantized decode, PyTorch's SDPA beside them) and write them as "
       "one Markdown report to FILE ('-' = stdout; docs/performance.md); with --quick, the same report on small shapes in "
-      "seconds");
+      "seconds")->check(file_path);
   cmd->add_option("--python", o->python,
                   "--report: the Python interpreter that runs the PyTorch rows (default python3; rows say why when "
                   "it cannot import torch)")

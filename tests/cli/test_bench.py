@@ -196,6 +196,13 @@ def main() -> int:
                            timeout=30)
         check(r.returncode == 2 and r.stderr.startswith("qkv: error: --json") and not os.path.exists(bad),
               f"bad --json path: {r.returncode} {r.stderr}")
+        # An empty output path is refused, not taken as no output (the rows measured for nothing).
+        for flag in ("--json", "--markdown"):
+            r = subprocess.run([qkv, "bench", "--quick", "--shapes", "decode", "--dtype", "f32", "--decode-seqlens",
+                                "128", "--repeats", "1", "--peak-seconds", "0.03", "--read-mib", "32", "--no-baseline",
+                                flag, ""], env=env, capture_output=True, text=True, timeout=60)
+            check(r.returncode == 2 and r.stderr == f"qkv: error: {flag}: expected a file path, got ''\n",
+                  f"empty {flag} path: {r.returncode} {r.stderr[-500:]}")
 
         # --report --quick: the whole report's form in seconds, written at once.
         report = os.path.join(tmp, "report.md")
@@ -212,7 +219,8 @@ def main() -> int:
         # Bad arguments: one line, exit 2, no file.
         for args, what in ([os.path.join(tmp, "missing", "r.md")], "--report: directory"), \
                           ([os.path.join(tmp, "r.md"), "--serving"], "--serving excludes --report"), \
-                          ([tmp], "--report: '"):
+                          ([tmp], "--report: '"), \
+                          ([""], "--report: expected a file path"):
             r = subprocess.run([qkv, "bench", "--quick", "--report"] + args, env=env, capture_output=True, text=True,
                                timeout=30)
             check(r.returncode == 2 and r.stderr.startswith("qkv: error: " + what) and r.stderr.count("\n") == 1,
