@@ -2,6 +2,7 @@
 
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstring>
 #include <cstdint>
 #include <string>
@@ -175,28 +176,40 @@ bool is_torch(nb::handle h) {
                            .c_str());
 }
 
+// NumPy 2 gives an array with a zero-size axis zero strides (and torch.from_numpy keeps them),
+// which the library would refuse as a non-contiguous last dimension. Such an array holds no
+// element: it is taken with contiguous strides, as PyTorch's own empty tensors have.
+TensorView contiguous_if_empty(TensorView t) {
+  if (t.numel() != 0) return t;
+  Shape strides(t.shape().size());
+  std::int64_t stride = 1;
+  for (std::size_t i = strides.size(); i-- > 0; stride *= std::max<std::int64_t>(t.size(static_cast<int>(i)), 1))
+    strides[i] = stride;
+  return TensorView(t.data(), t.dtype(), t.shape(), std::move(strides));
+}
+
 }  // namespace
 
 TensorView CallArrays::in(const char* name, nb::handle h) {
   const bool tensor = is_torch(h);
   if (tensor)
-    if (auto v = torch_view(name, *torch_objects(), h)) return *v;
+    if (auto v = torch_view(name, *torch_objects(), h)) return contiguous_if_empty(*v);
   InArray a;
   if (tensor) h = keep(nb::borrow(h).attr("detach")());  // DLPack refuses a tensor that requires grad
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "an array");
   ins_.push_back(a);
-  return view_of(name, ins_.back());
+  return contiguous_if_empty(view_of(name, ins_.back()));
 }
 
 TensorView CallArrays::out(const char* name, nb::handle h) {
   const bool tensor = is_torch(h);
   if (tensor)
-    if (auto v = torch_view(name, *torch_objects(), h)) return *v;
+    if (auto v = torch_view(name, *torch_objects(), h)) return contiguous_if_empty(*v);
   OutArray a;
   if (tensor) h = keep(nb::borrow(h).attr("detach")());
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "a writable array");
   outs_.push_back(a);
-  return view_of(name, outs_.back());
+  return contiguous_if_empty(view_of(name, outs_.back()));
 }
 
 nb::object numpy_f64(std::vector<double>&& data, std::vector<std::int64_t> shape) {

@@ -57,6 +57,20 @@ def test_numpy_calls_with_torch_hidden():
     assert r.returncode == 0, r.stderr
 
 
+def test_empty_numpy_arrays_as_empty_tensors():
+    """NumPy 2 gives an array with a zero-size axis zero strides; such an array holds no element,
+    so qkv takes it as PyTorch's empty tensor of the same shape (whose strides are contiguous)."""
+    shapes = [((0, 4, 1, 8), (0, 2, 3, 8)), ((1, 4, 0, 8), (1, 2, 3, 8)), ((1, 4, 2, 8), (1, 2, 0, 8))]
+    for qs, ks in shapes:
+        q, k = np.random.rand(*qs).astype(np.float32), np.random.rand(*ks).astype(np.float32)
+        out, lse = qkv.attention(q, k, k, return_lse=True)
+        want, want_lse = qkv.attention(torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(k), return_lse=True)
+        assert out.shape == qs and np.array_equal(out, want.numpy()) and np.array_equal(lse, want_lse.numpy())
+        grads = qkv.attention_backward(q, k, k, out, lse, np.ones_like(out))
+        assert [g.shape for g in grads] == [qs, ks, ks]
+        assert qkv.explain_dispatch(q, k, k).count(": chosen") == 1
+
+
 def test_strided_views_give_the_contiguous_result():
     t = torch.randn(2, 9, 3, 4, 16)
     q, k, v = t.unbind(2)  # BSHD views into one packed buffer
