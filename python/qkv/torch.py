@@ -190,13 +190,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
     Raises: NotImplementedError for dropout_p > 0 and for an attn_mask that requires grad (qkv
     computes no mask gradient); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
-    without enable_gqa, and everything qkv.attention refuses; TypeError for a keyword this
-    function does not take (naming it, and the one meant for a misspelling).
+    without enable_gqa, and everything qkv.attention refuses; TypeError for an enable_gqa that
+    is not a bool (or 0/1), and for a keyword this function does not take (naming it, and the one
+    meant for a misspelling).
     """
     if unknown:
         _options.misuse(scaled_dot_product_attention, (), unknown)
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout_p: qkv does not implement attention dropout, got dropout_p = {dropout_p}")
+    enable_gqa = _options._flag("enable_gqa", enable_gqa)  # a bool, as PyTorch requires ("no" is not False)
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask: expected None with is_causal=True (as PyTorch), got a mask")
     if isinstance(attn_mask, Tensor) and attn_mask.dtype in (torch.bfloat16, torch.float16) and \

@@ -83,6 +83,8 @@ def test_option_types_at_every_entry_point():
         qkv.flash_attn_func(b, b, b, softmax_scale="0.5")
     with pytest.raises(TypeError, match="is_causal: expected a bool"):
         qt.scaled_dot_product_attention(b, b, b, is_causal="yes")
+    with pytest.raises(TypeError, match="enable_gqa: expected a bool"):  # PyTorch refuses "no" too
+        qt.scaled_dot_product_attention(b, torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), enable_gqa="no")
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(TypeError, match="causal: expected a bool"):
         qkv.explain(q, q, q, causal="no")
