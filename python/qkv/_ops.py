@@ -214,6 +214,32 @@ def _differentiable(q, k, v, arrays, key):
     return qtorch._differentiable(q, k, v, arrays, key)
 
 
+def _grad_dtype(fw, q, dt):
+    """attention_backward's grad_dtype as a dtype of q's framework: None (q's), float32, float64 or
+    q's dtype, given as the framework's dtype or by name; TypeError / ValueError naming it."""
+    if dt is None:
+        return None
+    torch = _torch() if fw == "torch" else None
+    qname = q.dtype.name if fw == "numpy" else str(q.dtype).removeprefix("torch.")
+    name = None
+    if isinstance(dt, str):
+        name = dt
+    elif torch is not None:
+        if isinstance(dt, torch.dtype):
+            name = str(dt).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(dt).name  # a NumPy type or dtype
+        except TypeError:
+            pass
+    expected = f"None, float32, float64 or q's dtype ({qname}), as a dtype of q's framework or its name"
+    if name is None:
+        raise TypeError(f"grad_dtype: expected {expected}, got {type(dt).__name__} {dt!r}")
+    if name not in ("float32", "float64", qname):
+        raise ValueError(f"grad_dtype: expected {expected}, got {dt!r}")
+    return np.dtype(name) if torch is None else getattr(torch, name)
+
+
 def _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays, opts, grad_dtype=None):
     """Runs the C++ backward on checked inputs; returns (dq, dk, dv) in grad_dtype (None: q's)."""
     dq, dk, dv = (_empty(fw, q, x.shape, grad_dtype) for x in (q, k, v))
@@ -296,13 +322,16 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=N
     Args: q, k, v and every option as attention() (the same values as the forward call);
       out: the forward's output (layout of q); softmax_lse: its [B, Hq, Sq] softmax_lse
       (float32 or float64); grad_out: dL/dout, out's shape, any float dtype of the framework;
-      grad_dtype: dtype of the gradients: None (q's), or float32/float64 of q's framework.
+      grad_dtype: dtype of the gradients: None (q's), float32 or float64, as a dtype of q's
+        framework or its name ("float64").
 
     Returns: (dq, dk, dv) with the shapes and layout of q, k, v, in q's framework. Deterministic:
       bitwise the same for every num_threads and run.
 
     Raises: TypeError / ValueError as attention(), and ValueError for out, softmax_lse or
-      grad_out of the wrong shape, kernel="decode", or kernel="flash" with float64 inputs.
+      grad_out of the wrong shape, kernel="decode", or kernel="flash" with float64 inputs;
+      TypeError for a grad_dtype that is not a dtype of q's framework or a name, ValueError for
+      one other than float32, float64 or q's dtype.
     """
     if positional or unknown:
         misuse(attention_backward, positional, unknown)
@@ -313,7 +342,7 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=N
         if _framework(name, x) != fw:
             raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
     return _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays(fw, mask, kv_lens),
-                     KEPT.get(key) or _options.options(key), grad_dtype)
+                     KEPT.get(key) or _options.options(key), _grad_dtype(fw, q, grad_dtype))
 
 
 @keyword_only

@@ -95,6 +95,19 @@ def test_option_types_at_every_entry_point():
         qkv.attention_backward(q, q, q, out, lse, torch.ones_like(out), softcap="1")
     with pytest.raises(TypeError, match="causal: expected a bool"):
         qkv.explain_dispatch(q, q, q, causal=2)
+    # grad_dtype: None, float32, float64 or q's dtype, as the framework's dtype or by name
+    g = torch.ones_like(out)
+    for gd, want in ((None, torch.float32), ("float64", torch.float64), (torch.float64, torch.float64),
+                     ("float32", torch.float32)):
+        assert qkv.attention_backward(q, q, q, out, lse, g, grad_dtype=gd)[0].dtype == want, gd
+    assert qkv.attention_backward(q.numpy(), q.numpy(), q.numpy(), out.numpy(), lse.numpy(), g.numpy(),
+                                  grad_dtype="float64")[0].dtype == np.float64
+    for gd, err in (("float16", ValueError), (torch.bfloat16, ValueError), ("f64", ValueError), (3, TypeError)):
+        with pytest.raises(err, match="grad_dtype: expected None, float32, float64 or q's dtype"):
+            qkv.attention_backward(q, q, q, out, lse, g, grad_dtype=gd)
+    with pytest.raises(TypeError, match="grad_dtype: expected None, float32, float64 or q's dtype"):
+        qkv.attention_backward(q.numpy(), q.numpy(), q.numpy(), out.numpy(), lse.numpy(), g.numpy(),
+                               grad_dtype=torch.float64)
     layer = qkv.MultiHeadAttention(16, 4)
     with pytest.raises(TypeError, match="scale: expected a real number"):
         layer(torch.randn(1, 3, 16), scale="x")
