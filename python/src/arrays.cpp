@@ -33,6 +33,18 @@ DType dtype_from(const char* name, nb::dlpack::dtype dt) {
                            .c_str());
 }
 
+// NumPy 2 gives an array with a zero-size axis zero strides (and torch.from_numpy keeps them),
+// which the library would refuse as a non-contiguous last dimension. Such an array holds no
+// element: it is taken with contiguous strides, as PyTorch's own empty tensors have.
+TensorView contiguous_if_empty(TensorView t) {
+  if (t.numel() != 0) return t;
+  Shape strides(t.shape().size());
+  std::int64_t stride = 1;
+  for (std::size_t i = strides.size(); i-- > 0; stride *= std::max<std::int64_t>(t.size(static_cast<int>(i)), 1))
+    strides[i] = stride;
+  return TensorView(t.data(), t.dtype(), t.shape(), std::move(strides));
+}
+
 template <class A>
 TensorView view_impl(const char* name, const A& a) {
   if (a.device_type() != nb::device::cpu::value)
@@ -44,8 +56,8 @@ TensorView view_impl(const char* name, const A& a) {
     shape[i] = static_cast<std::int64_t>(a.shape(i));
     strides[i] = a.stride(i);
   }
-  return TensorView(const_cast<void*>(static_cast<const void*>(a.data())), dt, std::move(shape),
-                    std::move(strides));
+  return contiguous_if_empty(TensorView(const_cast<void*>(static_cast<const void*>(a.data())), dt, std::move(shape),
+                                        std::move(strides)));
 }
 
 }  // namespace
@@ -176,18 +188,6 @@ bool is_torch(nb::handle h) {
                            .c_str());
 }
 
-// NumPy 2 gives an array with a zero-size axis zero strides (and torch.from_numpy keeps them),
-// which the library would refuse as a non-contiguous last dimension. Such an array holds no
-// element: it is taken with contiguous strides, as PyTorch's own empty tensors have.
-TensorView contiguous_if_empty(TensorView t) {
-  if (t.numel() != 0) return t;
-  Shape strides(t.shape().size());
-  std::int64_t stride = 1;
-  for (std::size_t i = strides.size(); i-- > 0; stride *= std::max<std::int64_t>(t.size(static_cast<int>(i)), 1))
-    strides[i] = stride;
-  return TensorView(t.data(), t.dtype(), t.shape(), std::move(strides));
-}
-
 }  // namespace
 
 TensorView CallArrays::in(const char* name, nb::handle h) {
@@ -198,7 +198,7 @@ TensorView CallArrays::in(const char* name, nb::handle h) {
   if (tensor) h = keep(nb::borrow(h).attr("detach")());  // DLPack refuses a tensor that requires grad
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "an array");
   ins_.push_back(a);
-  return contiguous_if_empty(view_of(name, ins_.back()));
+  return view_of(name, ins_.back());
 }
 
 TensorView CallArrays::out(const char* name, nb::handle h) {
@@ -209,7 +209,7 @@ TensorView CallArrays::out(const char* name, nb::handle h) {
   if (tensor) h = keep(nb::borrow(h).attr("detach")());
   if (!nb::try_cast(h, a, false)) not_an_array(name, h, "a writable array");
   outs_.push_back(a);
-  return contiguous_if_empty(view_of(name, outs_.back()));
+  return view_of(name, outs_.back());
 }
 
 nb::object numpy_f64(std::vector<double>&& data, std::vector<std::int64_t> shape) {

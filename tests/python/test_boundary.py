@@ -69,6 +69,9 @@ def test_empty_numpy_arrays_as_empty_tensors():
         grads = qkv.attention_backward(q, k, k, out, lse, np.ones_like(out))
         assert [g.shape for g in grads] == [qs, ks, ks]
         assert qkv.explain_dispatch(q, k, k).count(": chosen") == 1
+    cache = qkv.KVCache(1, 2, 4, 8)
+    cache.append(np.zeros((1, 2, 0, 8), np.float32), np.zeros((1, 2, 0, 8), np.float32))  # no token
+    assert cache.lengths == [0]
 
 
 def test_strided_views_give_the_contiguous_result():
