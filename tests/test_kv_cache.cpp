@@ -271,6 +271,47 @@ TEST(KVCache, AttendVarlenGivesThePagedCachesBits) {
   }
 }
 
+// A call that fails writes nothing: the attention calls of every sequence are checked before any
+// output row (padding included) is written. Each case once wrote part of `out` before throwing.
+TEST(KVCache, AttendVarlenWritesNothingWhenACallFails) {
+  const std::int64_t Hkv = 1, D = 8;
+  KVCache cache(2, Hkv, 64, D, qkv::KVFormat::int8, qkv::KVFormat::int8);
+  const std::vector<std::int64_t> counts{5, 40};
+  cache.append(random_f32({2, Hkv, 40, D}, 4), random_f32({2, Hkv, 40, D}, 5), counts);
+  const auto untouched = [](const Tensor& out) {
+    for (std::int64_t i = 0; i < out.numel(); ++i)
+      if (out.data_as<float>()[i] != 7.0f) return false;
+    return true;
+  };
+  const auto sevens = [](qkv::Shape shape) {
+    Tensor t(DType::f32, shape);
+    std::fill_n(t.data_as<float>(), t.numel(), 7.0f);
+    return t;
+  };
+  // Forced decode refuses sequence 1 (20 rows > 16), not sequence 0 (5 rows).
+  Tensor out = sevens({2, 1, 20, D});
+  qkv::AttentionParams p;
+  p.kernel = qkv::KernelKind::decode;
+  EXPECT_THROW(cache.attend(random_f32({2, 1, 20, D}, 6), out, p), qkv::Error);
+  EXPECT_TRUE(untouched(out)) << "forced decode wrote rows before refusing a later sequence";
+  // q of another head_dim than the cache's: named in the cache's terms, nothing written.
+  Tensor out4 = sevens({2, 1, 3, D});
+  try {
+    cache.attend(random_f32({2, 1, 3, 4}, 7), out4);
+    FAIL() << "expected qkv::Error";
+  } catch (const qkv::Error& e) {
+    EXPECT_EQ(std::string(e.what()), "kv_cache: q: expected [B,Hq,Sq,D] with D == cache D (8), got shape [2,1,3,4]");
+  }
+  EXPECT_TRUE(untouched(out4));
+  // An empty cache still checks the call's options.
+  KVCache empty(1, Hkv, 8, D, qkv::KVFormat::int8, qkv::KVFormat::int8);
+  qkv::AttentionParams bad;
+  bad.softcap = -1.0;
+  Tensor out0 = sevens({1, 1, 2, D});
+  EXPECT_THROW(empty.attend(random_f32({1, 1, 2, D}, 8), out0, bad), qkv::Error);
+  EXPECT_TRUE(untouched(out0));
+}
+
 TEST(KVCache, RefusesBadArguments) {
   const Problem pr;
   EXPECT_THROW(KVCache(1, 1, 4, 0), qkv::Error);

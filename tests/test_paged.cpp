@@ -6,12 +6,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <random>
 
 #include "attention_diff.hpp"  // test_isas, IsaCap
 #include "qkv/error.hpp"
 #include "qkv/paged_kv_cache.hpp"
+#include "qkv/rope.hpp"
 #include "serving_case.hpp"
 #include "tensor/convert.hpp"
 
@@ -160,6 +162,33 @@ TEST(Paged, WindowWiderThanThePoolOfARepeatingTable) {
   attention_paged(q, k_pool, v_pool, ref, cu_q, lens, table, rp);
   EXPECT_TRUE(same_bits(o, o_plain)) << "a window wider than the sequence changed the output";
   EXPECT_LE(max_err(o, ref, "out"), 5e-6);
+}
+
+// forward() checks the attention call before it rotates q and k: a refused call leaves them, and
+// the cache, as they were (they were once rotated, so a retry rotated them twice).
+TEST(PagedKVCache, ForwardRefusedBeforeRotating) {
+  const i64 Hq = 2, Hkv = 1, D = 8;
+  PagedKVCache cache(4, 16, Hkv, D);
+  const i64 seq = cache.add_sequence(), n = 2;
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> nd;
+  const auto random = [&](Shape shape) {
+    Tensor t(DType::f32, shape);
+    for (i64 i = 0; i < t.numel(); ++i) t.data_as<float>()[i] = nd(rng);
+    return t;
+  };
+  Tensor q = random({n, Hq, D}), k = random({n, Hkv, D}), v = random({n, Hkv, D});
+  Tensor q0(DType::f32, q.shape()), k0(DType::f32, k.shape());
+  std::memcpy(q0.data(), q.data(), q.nbytes());
+  std::memcpy(k0.data(), k.data(), k.nbytes());
+  Tensor bad_out(DType::f32, {n, Hq, 4});  // Dv 4, the pool's is 8
+  RopeConfig rope;
+  EXPECT_THROW(cache.forward(std::span<const i64>(&seq, 1), std::span<const i64>(&n, 1), q, k, v, bad_out, {}, rope),
+               Error);
+  EXPECT_TRUE(same_bits(q, q0)) << "q was rotated by a refused call";
+  EXPECT_TRUE(same_bits(k, k0)) << "k was rotated by a refused call";
+  EXPECT_EQ(cache.length(seq), 0);
+  EXPECT_EQ(cache.num_free_blocks(), 4);
 }
 
 TEST(PagedKVCache, PagesAreFreedAndReused) {

@@ -140,8 +140,10 @@ class PagedKVCache {
   /// included (`causal = true` for a decoder). A count of 0 is allowed.
   /// @throws qkv::Error as allocate_slots(), write(), attention_paged(), apply_rope(), or for
   ///         counts of another size than seqs, a repeated sequence, a sum of counts other than T.
-  ///         When the pool is too short, nothing changes; when the attention call refuses its
-  ///         arguments, the allocation is undone.
+  ///         When the pool is too short, or the attention call would refuse its arguments
+  ///         (checked before q and k are rotated), nothing changes; when writing the keys fails
+  ///         (a NaN or infinity going to a quantized pool), the allocation is undone, but q and k
+  ///         have been rotated.
   void forward(std::span<const std::int64_t> seqs, std::span<const std::int64_t> counts, const TensorView& q,
                const TensorView& k, const TensorView& v, const TensorView& out, const AttentionParams& params = {},
                const std::optional<RopeConfig>& rope = std::nullopt,
@@ -154,6 +156,11 @@ class PagedKVCache {
     std::vector<std::int32_t> blocks;
   };
   const Seq& live(std::int64_t seq) const;
+  // attend()'s call of attention_paged, or (explain) its qkv::explain_dispatch: the same checks,
+  // nothing run.
+  void paged_call(std::span<const std::int64_t> seqs, std::span<const std::int64_t> counts, const TensorView& q,
+                  const TensorView& out, const AttentionParams& params,
+                  const std::optional<TensorView>& softmax_lse, bool explain) const;
   std::int64_t num_blocks_ = 0, block_size_ = 0, Hkv_ = 0, D_ = 0, Dv_ = 0;
   std::unique_ptr<detail::KVStorage> store_;  // the pools and their scales: slot n = block n
   std::vector<std::int32_t> free_;   // a stack: the last freed block is taken first

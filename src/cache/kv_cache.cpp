@@ -196,9 +196,37 @@ void KVCache::attend_sequences(const TensorView& q, const TensorView& out, const
   const auto at = [](const TensorView& t, std::int64_t off) {
     return static_cast<char*>(t.data()) + off * static_cast<std::int64_t>(dtype_size(t.dtype()));
   };
-  for (std::int64_t b = 0; b < B_; ++b) {
+  // Sequence b's call: its last n = min(Sq, length(b)) query rows over its positions, or (explain)
+  // qkv::explain_dispatch of that call, which checks the same and runs nothing.
+  const auto call = [&](std::int64_t b, bool explain) {
     const std::int64_t len = lengths_[static_cast<std::size_t>(b)], n = std::min(Sq, len), pad = Sq - n;
-    // Rows before the sequence's first position (ragged padding): zero output, lse -inf.
+    const TensorView qb(at(q, b * q.stride(0) + pad * q.stride(2)), q.dtype(), {n, Hq, q.size(3)}, {q.stride(2), q.stride(1), 1});
+    const TensorView ob(at(out, b * out.stride(0) + pad * out.stride(2)), out.dtype(), {n, Hq, Dv_},
+                        {out.stride(2), out.stride(1), 1});
+    std::optional<TensorView> lb;
+    if (softmax_lse)
+      lb = TensorView(at(*softmax_lse, b * softmax_lse->stride(0) + pad * softmax_lse->stride(2)), softmax_lse->dtype(),
+                      {Hq, n}, {softmax_lse->stride(1), softmax_lse->stride(2)});
+    std::int32_t cq[2] = {0, static_cast<std::int32_t>(n)}, ck[2] = {0, static_cast<std::int32_t>(len)};
+    const TensorView cu_q(cq, DType::i32, {2}), cu_k(ck, DType::i32, {2});
+    if (explain)
+      (void)explain_dispatch(qb, sequence_keys(b), sequence_values(b), ob, cu_q, cu_k, params, lb);
+    else
+      attention_varlen(qb, sequence_keys(b), sequence_values(b), ob, cu_q, cu_k, params, lb);
+  };
+  // Nothing is written unless every call will run: the calls' checks first (each sequence's when
+  // a kernel is forced, since it may refuse one sequence and not another; otherwise the first's,
+  // as the checks do not depend on the sequence then), then the calls, then the padding rows.
+  if (q.size(3) != D_)
+    throw Error("kv_cache: q: expected [B,Hq,Sq,D] with D == cache D (" + std::to_string(D_) + "), got shape " +
+                shape_str(q.shape()));
+  for (std::int64_t b = 0; b < (params.kernel == KernelKind::automatic ? std::min<std::int64_t>(B_, 1) : B_); ++b)
+    call(b, true);
+  for (std::int64_t b = 0; b < B_; ++b)
+    if (std::min(Sq, lengths_[static_cast<std::size_t>(b)]) > 0) call(b, false);
+  // Rows before a sequence's first position (ragged padding): zero output, lse -inf.
+  for (std::int64_t b = 0; b < B_; ++b) {
+    const std::int64_t pad = Sq - std::min(Sq, lengths_[static_cast<std::size_t>(b)]);
     for (std::int64_t h = 0; h < Hq; ++h)
       for (std::int64_t i = 0; i < pad; ++i) {
         for (std::int64_t d = 0; d < Dv_; ++d)
@@ -208,17 +236,6 @@ void KVCache::attend_sequences(const TensorView& q, const TensorView& out, const
                             b * softmax_lse->stride(0) + h * softmax_lse->stride(1) + i * softmax_lse->stride(2),
                             -std::numeric_limits<double>::infinity());
       }
-    if (n == 0) continue;
-    const TensorView qb(at(q, b * q.stride(0) + pad * q.stride(2)), q.dtype(), {n, Hq, q.size(3)}, {q.stride(2), q.stride(1), 1});
-    const TensorView ob(at(out, b * out.stride(0) + pad * out.stride(2)), out.dtype(), {n, Hq, Dv_},
-                        {out.stride(2), out.stride(1), 1});
-    std::optional<TensorView> lb;
-    if (softmax_lse)
-      lb = TensorView(at(*softmax_lse, b * softmax_lse->stride(0) + pad * softmax_lse->stride(2)), softmax_lse->dtype(),
-                      {Hq, n}, {softmax_lse->stride(1), softmax_lse->stride(2)});
-    std::int32_t cq[2] = {0, static_cast<std::int32_t>(n)}, ck[2] = {0, static_cast<std::int32_t>(len)};
-    attention_varlen(qb, sequence_keys(b), sequence_values(b), ob, TensorView(cq, DType::i32, {2}),
-                     TensorView(ck, DType::i32, {2}), params, lb);
   }
 }
 

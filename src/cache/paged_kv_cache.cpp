@@ -197,6 +197,12 @@ Tensor PagedKVCache::seq_lens(std::span<const i64> seqs) const {
 void PagedKVCache::attend(std::span<const i64> seqs, std::span<const i64> counts, const TensorView& q,
                           const TensorView& out, const AttentionParams& params,
                           const std::optional<TensorView>& softmax_lse) const {
+  paged_call(seqs, counts, q, out, params, softmax_lse, false);
+}
+
+void PagedKVCache::paged_call(std::span<const i64> seqs, std::span<const i64> counts, const TensorView& q,
+                              const TensorView& out, const AttentionParams& params,
+                              const std::optional<TensorView>& softmax_lse, bool explain) const {
   check_count_size(seqs, counts);
   Tensor cu(DType::i32, {static_cast<i64>(seqs.size()) + 1});
   cu.data_as<std::int32_t>()[0] = 0;
@@ -211,7 +217,10 @@ void PagedKVCache::attend(std::span<const i64> seqs, std::span<const i64> counts
   }
   if (q.rank() == 3 && q.size(0) != total)
     throw Error("q: expected T = sum(counts) = " + str(total) + " tokens, got " + str(q.size(0)));
-  attention_paged(q, keys(), values(), out, cu, seq_lens(seqs), block_table(seqs), params, softmax_lse);
+  if (explain)
+    (void)explain_dispatch(q, keys(), values(), out, cu, seq_lens(seqs), block_table(seqs), params, softmax_lse);
+  else
+    attention_paged(q, keys(), values(), out, cu, seq_lens(seqs), block_table(seqs), params, softmax_lse);
 }
 
 void PagedKVCache::forward(std::span<const i64> seqs, std::span<const i64> counts, const TensorView& q, const TensorView& k,
@@ -237,19 +246,8 @@ void PagedKVCache::forward(std::span<const i64> seqs, std::span<const i64> count
     throw Error("counts: expected at most the free blocks' room, got " + str(total) + " new keys needing " + str(need) +
                 " blocks with " + str(num_free_blocks()) + " free");
 
-  if (rope) {
-    std::vector<i64> pos(static_cast<std::size_t>(total));
-    i64 t = 0;
-    for (std::size_t b = 0; b < seqs.size(); ++b)
-      for (i64 x = 0; x < counts[b]; ++x) pos[static_cast<std::size_t>(t++)] = live(seqs[b]).length + x;
-    const auto bhsd = [](const TensorView& x) {
-      return TensorView(x.data(), x.dtype(), {1, x.size(1), x.size(0), x.size(2)}, {0, x.stride(1), x.stride(0), x.stride(2)});
-    };
-    apply_rope(bhsd(q), pos, *rope);
-    apply_rope(bhsd(k), pos, *rope);
-  }
-
-  // Allocate, remembering how to undo it if the attention call refuses its arguments.
+  // Allocate, remembering how to undo it; then check the attention call's arguments before q and
+  // k are rotated, so that a refused call changes nothing.
   std::vector<std::pair<i64, std::size_t>> undo;  // (old length, old block count) per sequence
   Tensor slots(DType::i64, {total});
   i64 t = 0;
@@ -258,10 +256,7 @@ void PagedKVCache::forward(std::span<const i64> seqs, std::span<const i64> count
     undo.emplace_back(s.length, s.blocks.size());
     for (i64 sl : allocate_slots(seqs[b], counts[b])) slots.data_as<i64>()[t++] = sl;
   }
-  try {
-    write(k, v, slots);
-    attend(seqs, counts, q, out, params, softmax_lse);
-  } catch (...) {
+  const auto undo_allocation = [&] {
     for (std::size_t b = 0; b < seqs.size(); ++b) {
       Seq& s = seqs_[static_cast<std::size_t>(seqs[b])];
       while (s.blocks.size() > undo[b].second) {
@@ -270,6 +265,24 @@ void PagedKVCache::forward(std::span<const i64> seqs, std::span<const i64> count
       }
       s.length = undo[b].first;
     }
+  };
+  try {
+    paged_call(seqs, counts, q, out, params, softmax_lse, true);
+    if (rope) {
+      std::vector<i64> pos(static_cast<std::size_t>(total));
+      i64 r = 0;
+      for (std::size_t b = 0; b < seqs.size(); ++b)
+        for (i64 x = 0; x < counts[b]; ++x) pos[static_cast<std::size_t>(r++)] = undo[b].first + x;
+      const auto bhsd = [](const TensorView& x) {
+        return TensorView(x.data(), x.dtype(), {1, x.size(1), x.size(0), x.size(2)}, {0, x.stride(1), x.stride(0), x.stride(2)});
+      };
+      apply_rope(bhsd(q), pos, *rope);
+      apply_rope(bhsd(k), pos, *rope);
+    }
+    write(k, v, slots);
+    attend(seqs, counts, q, out, params, softmax_lse);
+  } catch (...) {
+    undo_allocation();
     throw;
   }
 }
