@@ -11,6 +11,7 @@
 #include <string>
 
 #include "core/validate.hpp"
+#include "kernels/engine/lse_merge.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
 #include "tensor/convert.hpp"
@@ -144,21 +145,7 @@ void merge(FwdAcc& acc, i64 b0, i64 nb, i64 row0, i64 nr, const float* o, const 
       for (i64 i = 0; i < nr; ++i) {
         const i64 src = (bb * acc.H + h) * nr + i;
         const i64 dst = ((b0 + bb) * acc.H + h) * acc.n + row0 + i;
-        const float lb = l[src];
-        if (lb == kNegInf) continue;  // the row admits no key of this tile
-        float& la = acc.lse[static_cast<std::size_t>(dst)];
-        float* oa = acc.out.data() + dst * Dv;
-        const float* ob = o + src * Dv;
-        if (la == kNegInf) {
-          la = lb;
-          std::memcpy(oa, ob, static_cast<std::size_t>(Dv) * sizeof(float));
-          continue;
-        }
-        const float m = la > lb ? la : lb;  // NaN in either makes the row NaN below
-        const double wa = std::exp(static_cast<double>(la) - m), wb = std::exp(static_cast<double>(lb) - m);
-        const double sum = wa + wb;
-        for (i64 x = 0; x < Dv; ++x) oa[x] = static_cast<float>((wa * oa[x] + wb * ob[x]) / sum);
-        la = static_cast<float>(m + std::log(sum));
+        qkv::detail::lse_merge_pair(acc.out.data() + dst * Dv, acc.lse[static_cast<std::size_t>(dst)], o + src * Dv, l[src], Dv);
       }
 }
 

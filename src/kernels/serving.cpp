@@ -7,7 +7,7 @@
 // l = sum_j p_j and the unnormalised O = sum_j p_j v_j, in fp32, keys in ascending order; the
 // partials are merged in split order in float64 by log-sum-exp,
 //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
-// and rounded once to the output (as the decode kernel's merge, engine/forward_schedule.hpp).
+// and rounded once to the output (engine/lse_merge.hpp, as the decode kernel's merge).
 //
 // Batch invariance: every number a row computes depends only on its query vector, its key range
 // (causal, window, from its position) and the keys' values (engine/serving_item.hpp says how),
@@ -32,6 +32,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/engine/lse_merge.hpp"
 #include "kernels/isa_kernels.hpp"
 #include "kernels/kernels.hpp"
 #include "kernels/serving.hpp"
@@ -44,34 +45,13 @@ namespace {
 using i64 = std::int64_t;
 constexpr i64 P = kServingSplit;
 
-// Row r's split partials (pf floats each: O, then m, l) merged in split order in float64.
+// Row r's split partials (pf floats each: O, then m, l) merged in split order (lse_merge.hpp).
 void merge_row(const Problem& p, const float* parts, i64 c_lo, i64 c_hi, i64 Dv, i64 pf, double* accd,
                i64 out_off, i64 lse_off) {
-  const i64 Dvp = pf - 2;
-  double mx = -std::numeric_limits<double>::infinity();
-  bool any = false, nan = false;
-  for (i64 c = c_lo; c < c_hi; ++c) {
-    const float* part = parts + c * pf;
-    if (part[Dvp + 1] == 0.0f) continue;  // a split with no admissible key
-    any = true;
-    nan = nan || std::isnan(part[Dvp + 1]);
-    mx = std::max(mx, static_cast<double>(part[Dvp]));
-  }
-  for (i64 d = 0; d < Dv; ++d) accd[d] = 0.0;
-  double lsum = 0.0;
-  if (any && !nan)
-    for (i64 c = c_lo; c < c_hi; ++c) {
-      const float* part = parts + c * pf;
-      if (part[Dvp + 1] == 0.0f) continue;
-      const double w = std::exp(static_cast<double>(part[Dvp]) - mx);
-      lsum += w * part[Dvp + 1];
-      for (i64 d = 0; d < Dv; ++d) accd[d] += w * part[d];
-    }
-  const float qnan = std::numeric_limits<float>::quiet_NaN(), neg_inf = -std::numeric_limits<float>::infinity();
-  for (i64 d = 0; d < Dv; ++d)
-    store_from_float(p.out.data, p.out.dtype, out_off + d * p.out.sx, nan ? qnan : any ? static_cast<float>(accd[d] / lsum) : 0.0f);
-  if (p.lse.data)
-    store_from_float(p.lse.data, p.lse.dtype, lse_off, !any ? neg_inf : nan ? qnan : static_cast<float>(mx + std::log(lsum)));
+  LseMerge merge(accd, Dv);
+  merge.run(c_hi - c_lo, pf - 2, [&](i64 c) { return parts + (c_lo + c) * pf; });
+  for (i64 d = 0; d < Dv; ++d) store_from_float(p.out.data, p.out.dtype, out_off + d * p.out.sx, merge.out(d));
+  if (p.lse.data) store_from_float(p.lse.data, p.lse.dtype, lse_off, merge.lse());
 }
 
 }  // namespace

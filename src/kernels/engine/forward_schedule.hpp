@@ -11,7 +11,7 @@
 // block, key chunk), where the rows are all query heads of one KV head times Sq (K and V read
 // once per KV head) and the chunk size depends only on the problem; each item leaves its
 // unnormalised O_c, m_c, l_c, and the chunk partials of each row are merged by log-sum-exp in
-// chunk order (merge_partials_lse).
+// chunk order (merge_partials_lse, lse_merge.hpp).
 //
 // No result depends on the number of threads or on the schedule.
 #include <algorithm>
@@ -25,6 +25,7 @@
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/decode_fast.hpp"
 #include "kernels/engine/isa_ops.hpp"
+#include "kernels/engine/lse_merge.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "platform/team.hpp"
 
@@ -163,51 +164,22 @@ struct Drivers {
   }
 
   // Row x = (b Hkv + hk) R + rr of the decode rows: its NC chunk partials (O_c, m_c, l_c) in
-  // `parts` ([b][hk][chunk][R] rows of Dvp accumulators, m, l) merged by log-sum-exp over the
-  // chunks that admitted a key (l_c != 0),
-  //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
-  // and written to out and softmax_lse. A NaN l_c makes the row NaN; a row with no admitted key
-  // is empty (0, lse = -inf). G: query heads per KV head. Uses w.o and w.vbuf as scratch.
+  // `parts` ([b][hk][chunk][R] rows of Dvp accumulators, m, l) merged in chunk order (LseMerge,
+  // lse_merge.hpp) and written to out and softmax_lse. G: query heads per KV head. Uses w.o and
+  // w.vbuf as scratch.
   [[gnu::always_inline]] static void merge_partials_lse(const Problem& p, const float* parts, i64 NC, i64 R,
                                                         i64 Dvp, i64 G, i64 x, const Ws& w) {
     const i64 row_f = Dvp + 2;
     const i64 bhk = x / R, rr = x % R;
     const i64 b = bhk / p.Hkv, hk = bhk % p.Hkv;
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    float mx = neg_inf;
-    bool any = false, nan = false;
-    for (i64 c = 0; c < NC; ++c) {
-      const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
-      if (src[Dvp + 1] == 0.0f) continue;  // a chunk with no admissible key
-      any = true;
-      nan = nan || std::isnan(src[Dvp + 1]);
-      mx = std::max(mx, src[Dvp]);
-    }
-    // The merge accumulates in float64 (a few Dv-vectors per row: cheap), so it adds no
-    // rounding beyond the final one.
-    double* accd = reinterpret_cast<double*>(w.o);  // BQ * Dvp floats >= Dvp doubles
-    for (i64 d = 0; d < Dvp; ++d) accd[d] = 0.0;
-    double lsum = 0.0;
-    if (any && !nan) {
-      for (i64 c = 0; c < NC; ++c) {
-        const float* src = parts + ((bhk * NC + c) * R + rr) * row_f;
-        if (src[Dvp + 1] == 0.0f) continue;
-        const double a = std::exp(static_cast<double>(src[Dvp]) - static_cast<double>(mx));
-        lsum += a * src[Dvp + 1];
-        for (i64 d = 0; d < Dvp; ++d) accd[d] += a * src[d];
-      }
-    }
+    LseMerge merge(reinterpret_cast<double*>(w.o), p.Dv);  // BQ * Dvp floats >= Dv doubles
+    merge.run(NC, Dvp, [&](i64 c) { return parts + ((bhk * NC + c) * R + rr) * row_f; });
     float* acc = w.vbuf;  // scratch: vbuf no longer holds a tile
     w.tags[kTagV].kt = 0;
-    for (i64 d = 0; d < Dvp; ++d)
-      acc[d] = nan ? std::numeric_limits<float>::quiet_NaN() : any ? static_cast<float>(accd[d] / lsum) : 0.0f;
+    for (i64 d = 0; d < p.Dv; ++d) acc[d] = merge.out(d);
     const Row row = Bp::make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
-    const bool empty = !any;
-    Bp::store_out(p, row.out_off, acc, 1.0f, empty, p.Dv);
-    if (p.lse.data)
-      Bp::store_scalar(p.lse.data, p.lse.dtype, row.lse_off,
-                       empty ? neg_inf : nan ? std::numeric_limits<float>::quiet_NaN()
-                                             : static_cast<float>(mx + std::log(lsum)));
+    Bp::store_out(p, row.out_off, acc, 1.0f, merge.empty(), p.Dv);
+    if (p.lse.data) Bp::store_scalar(p.lse.data, p.lse.dtype, row.lse_off, merge.lse());
   }
 };
 
