@@ -30,6 +30,7 @@
 #include "core/problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/online_softmax.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "qkv/tensor.hpp"
 
@@ -48,6 +49,7 @@ struct BlockProcessor {
   using V = typename Ops::V;
   using Mk = Microkernels<Ops>;
   using Wsp = Workspace<Ops>;
+  using Sm = OnlineSoftmax<Ops>;
   static constexpr int W = Ops::W;
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
@@ -97,9 +99,8 @@ struct BlockProcessor {
     const int nqv = (n + W - 1) / W;
     const int sp = nqv * W;
     const i64 D = p.D, Dvp = Wsp::dvp(p);
-    const float neg_inf = -std::numeric_limits<float>::infinity();
 
-    for (int r = 0; r < BQ; ++r) { w.m[r] = neg_inf; w.l[r] = 0.0f; }
+    Sm::begin(w.m, w.l, BQ);
     for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
     for (int x = 0; x < 3; ++x) w.tags[x].kt = 0;  // the inputs may have changed since the last call
     if (blk.ka >= blk.kb) return;
@@ -275,7 +276,8 @@ struct BlockProcessor {
       Mk::template pv_tile<true>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
   }
 
-  // Online-softmax update of one tile: scores (times `mul`) -> weights, running m and l, alpha.
+  // Online-softmax update of one tile (online_softmax.hpp, rows in lanes): scores (times `mul`)
+  // -> weights, running m and l, alpha.
   static void softmax_tile(float* s, int sp, int kt, int nqv, float mul, float* m, float* l,
                            float* alpha) {
     const V vmul = Ops::set1(mul);
@@ -285,10 +287,8 @@ struct BlockProcessor {
       // which is cheaper than a store and a reload. (mul = 1 multiplies exactly.)
       V mx = Ops::set1(-std::numeric_limits<float>::infinity());
       for (int j = 0; j < kt; ++j) mx = Ops::max(mx, Ops::mul(Ops::load(sc + j * sp), vmul));
-      const V mo = Ops::load(m + c * W);
-      const V mn = Ops::max(mo, mx);
-      const V ms = Ops::safe_max(mn);  // -inf (nothing admitted yet) -> 0, so exp(-inf - 0) = 0
-      const V a = Ops::exp(Ops::sub(mo, ms));
+      const typename Sm::Lanes st = Sm::Lanes::rescale(m + c * W, mx);
+      const V ms = st.shift;
       V sum0 = Ops::zero(), sum1 = Ops::zero();
       int j = 0;
       for (; j + 2 <= kt; j += 2) {
@@ -304,9 +304,7 @@ struct BlockProcessor {
         Ops::store(sc + j * sp, p0);
         sum0 = Ops::add(sum0, p0);
       }
-      Ops::store(l + c * W, Ops::fma(Ops::load(l + c * W), a, Ops::add(sum0, sum1)));
-      Ops::store(m + c * W, mn);
-      Ops::store(alpha + c * W, a);
+      st.add(m + c * W, l + c * W, alpha + c * W, Ops::add(sum0, sum1));
     }
   }
 
@@ -348,13 +346,9 @@ struct BlockProcessor {
       const Row& row = w.rows[r];
       const float* o = w.o + r * Dvp;
       // Empty iff nothing was admitted: l == 0 exactly (a NaN score leaves m = -inf but l = NaN).
-      const bool empty = w.l[r] == 0.0f;
-      const float l = empty ? 1.0f : w.l[r];
-      store_out(p, row.out_off, o, l, empty, Dv);
-      if (p.lse.data) {
-        const float lse = empty ? -std::numeric_limits<float>::infinity() : w.m[r] + std::log(w.l[r]);
-        store_scalar(p.lse.data, p.lse.dtype, row.lse_off, lse);
-      }
+      const bool empty = Sm::empty(w.l[r]);
+      store_out(p, row.out_off, o, empty ? 1.0f : w.l[r], empty, Dv);
+      if (p.lse.data) store_scalar(p.lse.data, p.lse.dtype, row.lse_off, Sm::lse(w.m[r], w.l[r]));
     }
   }
 

@@ -25,6 +25,7 @@
 #include "kernels/engine/block.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/online_softmax.hpp"
 #include "kernels/engine/size_switch.hpp"
 #include "kernels/engine/workspace.hpp"
 
@@ -35,6 +36,7 @@ struct DecodeFast {
   using V = typename Ops::V;
   using Mk = Microkernels<Ops>;
   using Wsp = Workspace<Ops>;
+  using Sm = OnlineSoftmax<Ops>;
   static constexpr int W = Ops::W;
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
@@ -212,25 +214,17 @@ struct DecodeFast {
       for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
       V mx = Ops::set1(neg_inf);
       for (int j = 0; j < ktp; j += W) mx = Ops::max(mx, Ops::load(sr + j));
-      float lanes[W];
-      Ops::store(lanes, mx);
-      float m_tile = neg_inf;
-      for (int x = 0; x < W; ++x) m_tile = lanes[x] > m_tile ? lanes[x] : m_tile;
-      const float mo = w.m[r];
-      const float mn = mo > m_tile ? mo : m_tile;
-      const float ms = mn == neg_inf ? 0.0f : mn;  // nothing admitted yet: exp(-inf - 0) = 0
-      const V vms = Ops::set1(ms);
-      Ops::store(lanes, Ops::exp(Ops::set1(mo - ms)));
-      const float a = lanes[0];
+      const typename Sm::Row st = Sm::Row::rescale(w.m[r], Sm::row_max(mx));
+      const V vms = Ops::set1(st.shift);
       V sum = Ops::zero();
       for (int j = 0; j < ktp; j += W) {
         const V pj = Ops::exp(Ops::sub(Ops::load(sr + j), vms));
         Ops::store(sr + j, pj);
         sum = Ops::add(sum, pj);
       }
-      w.l[r] = w.l[r] * a + Ops::hsum(sum);
-      w.m[r] = mn;
-      w.alpha[r] = a;
+      w.l[r] = st.add(w.l[r], Ops::hsum(sum));
+      w.m[r] = st.m_new;
+      w.alpha[r] = st.alpha;
     }
     return partial;
   }
@@ -243,8 +237,7 @@ struct DecodeFast {
     const i64 D = p.D, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
     const float scale = static_cast<float>(p.scale);
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    for (int r = 0; r < n; ++r) { w.m[r] = neg_inf; w.l[r] = 0.0f; }
+    Sm::begin(w.m, w.l, n);
     for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
     if (blk.ka >= blk.kb) return;
     for (int r = 0; r < n; ++r) Mk::template to_f32<E>(p.q.data, w.rows[r].q_off, w.qr + r * D, D);
@@ -281,9 +274,7 @@ struct DecodeFast {
     const i64 D = p.D, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
     const float scale = static_cast<float>(p.scale);
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    w.m[0] = neg_inf;
-    w.l[0] = 0.0f;
+    Sm::begin(w.m, w.l, 1);
     for (i64 x = 0; x < Dvp; ++x) w.o[x] = 0.0f;
     if (blk.ka >= blk.kb) return;
     Mk::template to_f32<E>(p.q.data, w.rows[0].q_off, w.qr, D);
@@ -356,9 +347,7 @@ struct DecodeFast {
   template <Elt E, int N>
   static void process_fast_stream_regs(const Problem& p, const Block& blk, const Ws& w) {
     const float scale = static_cast<float>(p.scale);
-    const float neg_inf = -std::numeric_limits<float>::infinity();
-    w.m[0] = neg_inf;
-    w.l[0] = 0.0f;
+    Sm::begin(w.m, w.l, 1);
     V acc[N], q[N];
     for (int c = 0; c < N; ++c) acc[c] = Ops::zero();
     if (blk.ka < blk.kb) {

@@ -36,6 +36,7 @@
 
 #include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
+#include "kernels/engine/online_softmax.hpp"
 #include "kernels/engine/serving_rows.hpp"
 #include "kernels/serving.hpp"
 
@@ -276,11 +277,8 @@ struct ServingItemBody : ServingRows<Ops> {
         Ops::store(sr + j0, x);
         vm = Ops::max(vm, x);
       }
-      alignas(64) float lanes[W];
-      Ops::store(lanes, vm);
-      float m = neg_inf;
-      for (int x = 0; x < W; ++x) m = lanes[x] > m ? lanes[x] : m;
-      const float ms = m == neg_inf ? 0.0f : m;  // nothing but -inf: every weight 0
+      // The split is the first tile of the row's online softmax (online_softmax.hpp): l = sum.
+      const float ms = OnlineSoftmax<Ops>::shift_of(OnlineSoftmax<Ops>::row_max(vm));  // -inf: every weight 0
       const V vms = Ops::set1(ms);
       V vl = Ops::zero();
       for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
