@@ -9,6 +9,7 @@
 #include "core/validate.hpp"
 #include "dist/blocks.hpp"
 #include "dist/comm.hpp"
+#include "kernels/engine/lse_merge.hpp"
 #include "qkv/dist.hpp"
 #include "qkv/error.hpp"
 
@@ -39,10 +40,7 @@ detail::FwdAcc partial(const detail::Global& g, const TensorView& q, const Tenso
 void weigh(const detail::FwdAcc& a, const std::vector<float>& M, float* dst) {
   const i64 rows = a.B * a.H * a.n;
   for (i64 x = 0; x < rows; ++x) {
-    const float l = a.lse[static_cast<std::size_t>(x)];
-    const float w = l == -std::numeric_limits<float>::infinity()
-                        ? 0.0f
-                        : static_cast<float>(std::exp(static_cast<double>(l) - M[static_cast<std::size_t>(x)]));
+    const float w = qkv::detail::lse_weight(a.lse[static_cast<std::size_t>(x)], M[static_cast<std::size_t>(x)]);
     float* d = dst + x * (a.Dv + 1);
     for (i64 c = 0; c < a.Dv; ++c) d[c] = w * a.out[static_cast<std::size_t>(x * a.Dv + c)];
     d[a.Dv] = w;

@@ -10,6 +10,9 @@
 // row NaN; a row no partial admitted anything to is empty: O = 0, lse = -inf. Used by the decode
 // driver (forward_schedule.hpp, key chunks) and the serving kernel (serving.cpp, key splits).
 //
+// lse_weight: the weight of a normalised partial against the max of all, for a merge whose sum
+// runs elsewhere (src/dist's decode: a max and a gather across ranks, summed in rank order).
+//
 // lse_merge_pair: the streaming form, for partials already normalised (o_b, lse_b) folded one at
 // a time into an accumulator (o_a, lse_a): w = e^{lse - max}, o_a = (w_a o_a + w_b o_b) / (w_a +
 // w_b), lse_a = max + log(w_a + w_b) (float64 weights, fp32 stored between steps); lse_b = -inf
@@ -79,6 +82,15 @@ class LseMerge {
   double mx_ = 0.0, lsum_ = 0.0;
   bool any_ = false, nan_ = false;
 };
+
+/// The weight e^{lse - m} of a normalised partial against the row's max m over all partials
+/// (float64 exp, rounded to fp32), 0 for a partial that admitted nothing (lse = -inf). The
+/// weighted partials sum to the merge: O = sum w O_p / sum w, lse = m + log sum w (src/dist's
+/// decode, whose sum runs across ranks).
+inline float lse_weight(float lse, float m) {
+  return lse == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                         : static_cast<float>(std::exp(static_cast<double>(lse) - m));
+}
 
 /// Folds the normalised partial (ob, lb) of a row into (oa, la), d values each (see above).
 inline void lse_merge_pair(float* oa, float& la, const float* ob, float lb, std::int64_t d) {
