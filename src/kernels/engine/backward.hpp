@@ -45,6 +45,7 @@
 #include "kernels/engine/backward_tiles.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/score_rule.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "platform/team.hpp"
 #include "qkv/tensor.hpp"
@@ -104,7 +105,7 @@ struct Backward {
       i64 ulo = std::numeric_limits<i64>::max(), uhi = std::numeric_limits<i64>::min();
       for (i64 i = 0; i < p.Sq; ++i) {
         i64 lo, hi;
-        p.key_range(b, i, lo, hi);
+        ScoreRule<>::key_range(p, b, i, lo, hi);
         if (lo >= hi) continue;
         ulo = std::min(ulo, lo);
         uhi = std::max(uhi, hi);
@@ -139,7 +140,7 @@ struct Backward {
   // ---- one item: chunk c of (b, hk) ----------------------------------------------------------
   // DP: the bf16 dot-product form for full tiles (backward_tiles.hpp); K and V are then
   // converted to fp32 only for a tile that some block meets partially.
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void chunk(const BackwardProblem& bp, const Plan& pl, const Ws& w, i64 b, i64 hk, i64 c, float* dq) {
     const Problem& p = bp.fwd;
     const i64 D = p.D, Dv = p.Dv, Dp = dp(p), Dvp = dvp(p), G = p.group();
@@ -209,7 +210,7 @@ struct Backward {
             i64 t0;
             int kt;
             tile_at(x, t0, kt);
-            partial = meets(t0, kt) && !Tiles::template full_tile<MASK>(qb, t0, t0 + kt);
+            partial = meets(t0, kt) && !Tiles::template full_tile<Rule>(qb, t0, t0 + kt);
           }
           if (partial) Tiles::template pack_f32<E>(bp, w, qb, b, h, i0, !DP);
           if constexpr (DP) Tiles::pack_dp(bp, w, qb, b, h, i0);
@@ -220,15 +221,15 @@ struct Backward {
             tile_at(x, t0, kt);
             if (!meets(t0, kt)) continue;
             if constexpr (DP) {
-              if (Tiles::template full_tile<MASK>(qb, t0, t0 + kt)) {
-                Tiles::template tile_dp<CAP>(bp, w, qb, x, t0, kt,
+              if (Tiles::template full_tile<Rule>(qb, t0, t0 + kt)) {
+                Tiles::template tile_dp<Rule>(bp, w, qb, x, t0, kt,
                                              static_cast<const std::uint16_t*>(p.k.data) + kbase + t0 * p.k.ss,
                                              static_cast<const std::uint16_t*>(p.v.data) + vbase + t0 * p.v.ss, dqb);
                 continue;
               }
               if (!f32[x]) convert(x);
             }
-            Tiles::template tile<MASK, CAP>(bp, w, qb, x, t0, kt, dqb);
+            Tiles::template tile<Rule>(bp, w, qb, x, t0, kt, dqb);
           }
         }
       }
@@ -245,7 +246,7 @@ struct Backward {
   }
 
   // ---- the whole problem ---------------------------------------------------------------------
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void run(const BackwardProblem& bp, char* ws, int threads) {
     const Problem& p = bp.fwd;
     const Plan pl = plan(p);
@@ -259,7 +260,7 @@ struct Backward {
         const i64 np = std::min(pl.wave, pairs - p0);
         team.dynamic(np * pl.C, [&](i64 it) {
           const i64 pr = p0 + it / pl.C;
-          chunk<E, DP, MASK, CAP>(bp, pl, w, pr / p.Hkv, pr % p.Hkv, it % pl.C, partial + it * head);
+          chunk<E, DP, Rule>(bp, pl, w, pr / p.Hkv, pr % p.Hkv, it % pl.C, partial + it * head);
         });
         // dQ of each row: its chunks' buffers summed in chunk order, rounded once.
         team.fixed(np * pl.rows, [&](i64 r) {

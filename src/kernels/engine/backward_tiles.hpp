@@ -23,6 +23,7 @@
 #include "core/problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/score_rule.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "qkv/tensor.hpp"
 
@@ -239,8 +240,8 @@ struct BackwardTiles {
       }
       const i64 i = i0 + r;
       BRow& row = w.rows[r];
-      p.key_range(b, i, row.lo, row.hi);
-      row.mask_off = b * p.mask.sb + h * p.mask.sh + i * p.mask.sq;
+      ScoreRule<>::key_range(p, b, i, row.lo, row.hi);
+      row.mask_off = ScoreRule<>::mask_row(p, b, h, i);
       if (row.lo < row.hi) {
         qb.lo_min = std::min(qb.lo_min, row.lo);
         qb.hi_max = std::max(qb.hi_max, row.hi);
@@ -263,9 +264,9 @@ struct BackwardTiles {
   }
 
   // Whether every row of the block admits every key of [t0, t1) (no mask): a full tile.
-  template <bool MASK>
+  template <class Rule>
   static bool full_tile(const QBlock& qb, i64 t0, i64 t1) {
-    return !MASK && t0 >= qb.max_lo && t1 <= qb.min_hi;
+    return Rule::full(t0, t1, qb.max_lo, qb.min_hi);
   }
 
   // The fp32 operands of the block; D too unless the bf16 path computes it (with_d false).
@@ -327,40 +328,35 @@ struct BackwardTiles {
 
   // ---- one tile: keys [t0, t0 + kt) of key buffer x against a packed query block ------------
 
-  // w.s holds S = Q K^T (key-major); makes it P = exp(scale S - lse) with the tile's exclusions.
-  template <bool MASK, bool CAP>
+  // w.s holds S = Q K^T (key-major); makes it P = exp(S' - lse), S' the scores of the rule Rule
+  // (score_rule.hpp) with the tile's exclusions as exact zeros; softcap: tanh kept in w.th.
+  template <class Rule>
   static void probs(const Problem& p, const Ws& w, const QBlock& qb, i64 t0, int kt, bool full) {
     const int n = qb.n, nqv = qb.nqv, sp = nqv * W;
-    const bool vec = !MASK && !CAP && t0 + kt < (i64{1} << 24);  // key indices exact as floats
-    const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
-    if (vec) {
-      const V vs = Ops::set1(scale);
-      for (int c = 0; c < nqv; ++c) {
-        const V l = Ops::load(w.lse + c * W), lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W);
-        for (int j = 0; j < kt; ++j) {
-          float* e = w.s + j * SP + c * W;
-          V y = Ops::mul(Ops::load(e), vs);
-          if (!full) y = Ops::range_select(y, lo, hi, Ops::set1(static_cast<float>(t0 + j)));
-          Ops::store(e, Ops::exp(Ops::sub(y, l)));
+    const Rule rule(p);
+    if constexpr (Rule::kVector) {
+      if (t0 + kt < (i64{1} << 24)) {  // key indices exact as floats
+        for (int c = 0; c < nqv; ++c) {
+          const V l = Ops::load(w.lse + c * W), lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W);
+          for (int j = 0; j < kt; ++j) {
+            float* e = w.s + j * SP + c * W;
+            const V y = full ? rule.template scale_v<Ops>(Ops::load(e))
+                             : rule.template vec<Ops>(Ops::load(e), lo, hi, Ops::set1(static_cast<float>(t0 + j)));
+            Ops::store(e, Ops::exp(Ops::sub(y, l)));
+          }
         }
+        return;
       }
-      return;
     }
     for (int r = 0; r < sp; ++r)
       for (int j = 0; j < kt; ++j) {
         float& e = w.s[j * SP + r];
         if (r >= n) { e = 0.0f; continue; }
         const BRow& row = w.rows[r];
-        const i64 g = t0 + j;
-        bool ok = g >= row.lo && g < row.hi;
-        float add = 0.0f;
-        if constexpr (MASK) ok = ok && mask_admits(p.mask, row.mask_off + g * p.mask.sk, add);
-        float y = e * scale;
-        if constexpr (CAP) {
-          const float t = std::tanh(y / cap);
-          w.th[j * SP + r] = t;
-          y = cap * t;
-        }
+        float add = 0.0f, t = 0.0f;
+        const bool ok = rule.admits(t0 + j, row.lo, row.hi, row.mask_off, add);
+        const float y = rule.scaled(e, t);
+        if constexpr (Rule::kHasSoftcap) w.th[j * SP + r] = t;
         e = ok ? std::exp(y + add - w.lse[r]) : 0.0f;
       }
   }
@@ -369,10 +365,11 @@ struct BackwardTiles {
   // excluded (row, key) has P = 0 and so dS = 0 already unless dP is not finite (NaN or inf in
   // a value or in dO): the sum of a partial tile's dS, kept on the side, says whether the scalar
   // pass that zeroes those must run.
-  template <bool CAP>
+  template <class Rule>
   static void dscores(const Problem& p, const Ws& w, const QBlock& qb, int kt, bool full) {
     const int nqv = qb.nqv, sp = nqv * W;
-    const V vs = Ops::set1(static_cast<float>(p.scale));
+    const Rule rule(p);
+    const V vs = Ops::set1(rule.scale);
     V check = Ops::zero();
     for (int c = 0; c < nqv; ++c) {
       const V di = Ops::load(w.di + c * W);
@@ -383,31 +380,30 @@ struct BackwardTiles {
         if (!full) check = Ops::add(check, ds);
       }
     }
-    if (CAP || (!full && !std::isfinite(Ops::hsum(check))))
+    if (Rule::kHasSoftcap || (!full && !std::isfinite(Ops::hsum(check))))
       for (int j = 0; j < kt; ++j)
         for (int r = 0; r < sp; ++r) {
           float& e = w.dps[j * SP + r];
           if (w.s[j * SP + r] == 0.0f) {
             e = 0.0f;  // excluded (or a weight that is exactly 0): nothing flows, NaN included
-          } else if constexpr (CAP) {
-            const float t = w.th[j * SP + r];
-            e *= 1.0f - t * t;
+          } else if constexpr (Rule::kHasSoftcap) {
+            e = rule.grad(e, w.th[j * SP + r]);
           }
         }
   }
 
   // The fp32 form: every product on fp32 tiles; partial tiles skip zero weights.
-  template <bool MASK, bool CAP>
+  template <class Rule>
   static void tile(const BackwardProblem& bp, const Ws& w, const QBlock& qb, int x, i64 t0, int kt, float* dq) {
     const Problem& p = bp.fwd;
     const i64 D = p.D, Dv = p.Dv, Dp = dp(p), Dvp = dvp(p);
     const int n = qb.n, nqv = qb.nqv, sp = nqv * W;
-    const bool full = full_tile<MASK>(qb, t0, t0 + kt);
+    const bool full = full_tile<Rule>(qb, t0, t0 + kt);
     Prefetch none;
     Mk::qk_tile(w.qt, nqv, w.kbuf[x], Dp, D, kt, w.s, SP, none);
-    probs<MASK, CAP>(p, w, qb, t0, kt, full);
+    probs<Rule>(p, w, qb, t0, kt, full);
     Mk::qk_tile(w.dot, nqv, w.vbuf[x], Dvp, Dv, kt, w.dps, SP, none);
-    dscores<CAP>(p, w, qb, kt, full);
+    dscores<Rule>(p, w, qb, kt, full);
 
     // dV += P^T dO, dK += dS^T Q (over the block's n rows), dQ += dS K (over the tile's keys).
     transpose(w.s, SP, kt, sp, w.pt, BK);
@@ -426,7 +422,7 @@ struct BackwardTiles {
 
   // The bf16 form, for full tiles only (a partial tile takes the fp32 form): k and v are the
   // tile's first K and V rows (bf16, read in place).
-  template <bool CAP>
+  template <class Rule>
   static void tile_dp(const BackwardProblem& bp, const Ws& w, const QBlock& qb, int x, i64 t0, int kt,
                       const std::uint16_t* k, const std::uint16_t* v, float* dq)
     requires(Ops::kHasDpbf16)
@@ -435,9 +431,9 @@ struct BackwardTiles {
     const int n = qb.n, nqv = qb.nqv, sp = nqv * W;
     const int nvd = static_cast<int>(dp(p) / W), nvv = static_cast<int>(dvp(p) / W);
     Ops::qk_bf16(w.qp, nqv, k, p.k.ss, p.D, kt, w.s, SP);
-    probs<false, CAP>(p, w, qb, t0, kt, true);
+    probs<Rule>(p, w, qb, t0, kt, true);
     Ops::qk_bf16(w.dop, nqv, v, p.v.ss, p.Dv, kt, w.dps, SP);
-    dscores<CAP>(p, w, qb, kt, true);
+    dscores<Rule>(p, w, qb, kt, true);
 
     // dQ += dS K: dS paired along keys, K paired along keys (once per tile).
     Ops::pack_p_bf16(w.dps, SP, nqv, kt, w.pp);
@@ -457,7 +453,7 @@ struct BackwardTiles {
     const i64 n = std::min<i64>(BQ, p.Sq - i0);
     for (i64 r = 0; r < n; ++r) {
       i64 lo, hi;
-      p.key_range(b, i0 + r, lo, hi);
+      ScoreRule<>::key_range(p, b, i0 + r, lo, hi);
       if (lo < hi && lo < g1 && hi > g0) return true;
     }
     return false;

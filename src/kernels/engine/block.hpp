@@ -15,7 +15,8 @@
 // is given; otherwise a scalar pass sets excluded scores to -inf (select, never add, so NaN
 // computed from an excluded K row is discarded) and the PV product skips zero weights, so NaN or
 // inf stored in an excluded V row never meets a 0 weight (0 * NaN). Softcap and explicit masks
-// go through the same scalar pass (tanh from libm).
+// go through the same scalar pass (tanh from libm). The scores come from the call's score rule
+// (score_rule.hpp), a template parameter of the block's functions.
 //
 // bf16 inputs with the AVX512_BF16 dot product (Ops::kHasDpbf16 and bf16_dot): QK^T uses
 // vdpbf16ps on (d, d+1) pairs of Q (packed) and K (read in place); PV converts P to bf16 and
@@ -31,6 +32,7 @@
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/online_softmax.hpp"
+#include "kernels/engine/score_rule.hpp"
 #include "kernels/engine/workspace.hpp"
 #include "qkv/tensor.hpp"
 
@@ -59,17 +61,17 @@ struct BlockProcessor {
   static constexpr int kGroup = 4;
 
   // Rows of `blk` against keys [blk.ka, blk.kb): leaves the unnormalised O, m and l in `w`.
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void process(const Problem& p, const Block& blk, const Ws& w) {
     begin<E, DP>(p, blk, w);
-    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) step<E, DP, MASK, CAP>(p, blk, w, t0, true);
+    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) step<E, DP, Rule>(p, blk, w, t0, true);
   }
 
   // Up to kGroup query blocks of one (batch, head), tile by tile in lockstep: the later blocks
   // read each K/V tile from L1/L2 just after the first, so K and V stream from L3 or DRAM once per
   // group instead of once per block (long rows: Sq = Sk = 16384, D = 128). Each block sees its
   // own tiles in its own order, exactly as process() would: grouping changes no result.
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void process_group(const Problem& p, const Block* blk, const Ws* w, int g) {
     i64 t[kGroup];
     for (int x = 0; x < g; ++x) {
@@ -81,7 +83,7 @@ struct BlockProcessor {
       bool prefetch = true;  // the first block with a tile left requests the next rows
       for (int x = 0; x < g; ++x) {
         if (t[x] >= blk[x].kb) continue;
-        step<E, DP, MASK, CAP>(p, blk[x], w[x], t[x], prefetch);
+        step<E, DP, Rule>(p, blk[x], w[x], t[x], prefetch);
         prefetch = false;
         t[x] += BK;
         more = more || t[x] < blk[x].kb;
@@ -152,7 +154,7 @@ struct BlockProcessor {
 
   // One key tile [t0, min(t0 + BK, blk.kb)) of a started block: S = QK^T, masks, online softmax,
   // O = alpha O + PV. `prefetch`: request this tile's V and the next tile's K rows.
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void step(const Problem& p, const Block& blk, const Ws& w, i64 t0, bool prefetch) {
     const int n = blk.n;
     const int nqv = (n + W - 1) / W;
@@ -160,9 +162,7 @@ struct BlockProcessor {
     const int ssp = sp + W;  // score pitch off a power of two (L1 set conflicts)
     const i64 D = p.D, Dv = p.Dv, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
-    const float scale = static_cast<float>(p.scale);
-    const float cap = static_cast<float>(p.softcap);
-    const float neg_inf = -std::numeric_limits<float>::infinity();
+    const Rule rule(p);
     const bool few = few_rows(n);
     const i64 k_base = blk.b * p.k.sb + blk.hk * p.k.sh;
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
@@ -171,7 +171,7 @@ struct BlockProcessor {
 
     const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
     const int kt = static_cast<int>(t1 - t0);
-    const bool full = !MASK && t0 >= blk.max_lo && t1 <= blk.min_hi;
+    const bool full = Rule::full(t0, t1, blk.max_lo, blk.min_hi);
     // This tile's V rows are requested during QK^T, the next tile's K rows during PV.
     const int pk = prefetch ? static_cast<int>(std::min<i64>(BK, blk.kb - t1)) : 0;
     Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, prefetch ? kt : 0, Dv, esize);
@@ -206,31 +206,31 @@ struct BlockProcessor {
       }
     }
 
-    // Scale, softcap, masks (scalar pass on partially admitted tiles or with options).
-    float mul = scale;
-    if (!full && !MASK && !CAP && vec_ranges(blk)) {
-      // Causal/window/kv_lens edges only: a vector select per query vector.
-      mul = 1.0f;
-      for (int c = 0; c < nqv; ++c) {
-        const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W), vs = Ops::set1(scale);
-        for (int j = 0; j < kt; ++j) {
-          float* x = w.s + j * ssp + c * W;
-          Ops::store(x, Ops::range_select(Ops::mul(Ops::load(x), vs), lo, hi, Ops::set1(static_cast<float>(t0 + j))));
+    // Scores by the rule (score_rule.hpp): a full tile without options is only scaled, in the
+    // softmax pass (mul); causal/window/kv_lens edges alone take the rule's vector form, a select
+    // per query vector; options (mask, softcap) its scalar form.
+    float mul = rule.scale;
+    bool vec = false;
+    if constexpr (Rule::kVector) {
+      vec = !full && vec_ranges(blk);
+      if (vec) {
+        mul = 1.0f;
+        for (int c = 0; c < nqv; ++c) {
+          const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W);
+          for (int j = 0; j < kt; ++j) {
+            float* x = w.s + j * ssp + c * W;
+            Ops::store(x, rule.template vec<Ops>(Ops::load(x), lo, hi, Ops::set1(static_cast<float>(t0 + j))));
+          }
         }
       }
-    } else if (!full || CAP) {
+    }
+    if (!vec && (!full || Rule::kHasSoftcap)) {
       mul = 1.0f;
       for (int r = 0; r < n; ++r) {
         const Row& row = w.rows[r];
         for (int j = 0; j < kt; ++j) {
-          const i64 g = t0 + j;
           float& x = w.s[j * ssp + r];
-          bool ok = g >= row.lo && g < row.hi;
-          float add = 0.0f;
-          if constexpr (MASK) ok = ok && mask_admits(p.mask, row.mask_off + g * p.mask.sk, add);
-          float y = x * scale;
-          if constexpr (CAP) y = cap * std::tanh(y / cap);
-          x = ok ? y + add : neg_inf;
+          x = rule.score(x, t0 + j, row.lo, row.hi, row.mask_off);
         }
       }
       // Padded rows (r >= n) keep their scores of the zero query (0): finite, never stored.
@@ -312,8 +312,8 @@ struct BlockProcessor {
   static Row make_row(const Problem& p, i64 b, i64 h, i64 i) {
     Row r;
     r.q_off = b * p.q.sb + h * p.q.sh + i * p.q.ss;
-    p.key_range(b, i, r.lo, r.hi);
-    r.mask_off = b * p.mask.sb + h * p.mask.sh + i * p.mask.sq;
+    ScoreRule<>::key_range(p, b, i, r.lo, r.hi);
+    r.mask_off = ScoreRule<>::mask_row(p, b, h, i);
     r.out_off = b * p.out.sb + h * p.out.sh + i * p.out.ss;
     r.lse_off = b * p.lse.sb + h * p.lse.sh + i * p.lse.ss;
     return r;

@@ -26,6 +26,7 @@
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
 #include "kernels/engine/online_softmax.hpp"
+#include "kernels/engine/score_rule.hpp"
 #include "kernels/engine/size_switch.hpp"
 #include "kernels/engine/workspace.hpp"
 
@@ -37,6 +38,7 @@ struct DecodeFast {
   using Mk = Microkernels<Ops>;
   using Wsp = Workspace<Ops>;
   using Sm = OnlineSoftmax<Ops>;
+  using Rule = ScoreRule<>;  // no mask, no softcap (decode_fast_ok)
   static constexpr int W = Ops::W;
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
@@ -196,20 +198,19 @@ struct DecodeFast {
   // Online softmax of one tile's scores s[r * BK + j] (keys t0 + j, j < kt) for n rows: scales,
   // excludes keys outside each row's [lo, hi), and leaves the weights in s and the accumulator
   // rescale factor in w.alpha. Returns whether any key of the tile was excluded for some row.
-  static bool fast_softmax(const Ws& w, int n, float* s, i64 t0, int kt, float scale) {
+  static bool fast_softmax(const Ws& w, int n, float* s, i64 t0, int kt, const Rule& rule) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
     const i64 t1 = t0 + kt;
     const int ktp = static_cast<int>(round_up(kt, W));
-    const V vscale = Ops::set1(scale);
     bool partial = false;
     for (int r = 0; r < n; ++r) {
       float* sr = s + r * BK;
       const Row& row = w.rows[r];
-      for (int j = 0; j < ktp; j += W) Ops::store(sr + j, Ops::mul(Ops::load(sr + j), vscale));
+      for (int j = 0; j < ktp; j += W) Ops::store(sr + j, rule.template scale_v<Ops>(Ops::load(sr + j)));
       if (t0 < row.lo || t1 > row.hi) {
         partial = true;
         for (int j = 0; j < kt; ++j)
-          if (t0 + j < row.lo || t0 + j >= row.hi) sr[j] = neg_inf;
+          if (!Rule::in_range(t0 + j, row.lo, row.hi)) sr[j] = neg_inf;
       }
       for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
       V mx = Ops::set1(neg_inf);
@@ -236,7 +237,7 @@ struct DecodeFast {
     const int n = blk.n;
     const i64 D = p.D, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
-    const float scale = static_cast<float>(p.scale);
+    const Rule rule(p);
     Sm::begin(w.m, w.l, n);
     for (i64 x = 0; x < n * Dvp; ++x) w.o[x] = 0.0f;
     if (blk.ka >= blk.kb) return;
@@ -252,7 +253,7 @@ struct DecodeFast {
       Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, p.Dv, esize);
       Prefetch pf_k(p.k.data, k_base + t1 * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - t1)), D, esize);
       fast_qk<E>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s, pf_v);
-      const bool partial = fast_softmax(w, n, s, t0, kt, scale);
+      const bool partial = fast_softmax(w, n, s, t0, kt, rule);
       if (partial)
         fast_pv<E, true>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
       else
@@ -273,7 +274,7 @@ struct DecodeFast {
   static void process_fast_stream(const Problem& p, const Block& blk, const Ws& w) {
     const i64 D = p.D, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
-    const float scale = static_cast<float>(p.scale);
+    const Rule rule(p);
     Sm::begin(w.m, w.l, 1);
     for (i64 x = 0; x < Dvp; ++x) w.o[x] = 0.0f;
     if (blk.ka >= blk.kb) return;
@@ -291,7 +292,7 @@ struct DecodeFast {
     while (kt > 0) {
       const i64 t1 = t0 + kt;
       const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
-      const bool partial = fast_softmax(w, 1, s_cur, t0, kt, scale);
+      const bool partial = fast_softmax(w, 1, s_cur, t0, kt, rule);
       const int steps = std::max(kt, ktn);
       for (int j = 0; j < steps; j += kFastStep) {
         for (int jj = j; jj < std::min(j + kFastStep, ktn); ++jj)
@@ -346,7 +347,7 @@ struct DecodeFast {
 
   template <Elt E, int N>
   static void process_fast_stream_regs(const Problem& p, const Block& blk, const Ws& w) {
-    const float scale = static_cast<float>(p.scale);
+    const Rule rule(p);
     Sm::begin(w.m, w.l, 1);
     V acc[N], q[N];
     for (int c = 0; c < N; ++c) acc[c] = Ops::zero();
@@ -364,7 +365,7 @@ struct DecodeFast {
       while (kt > 0) {
         const i64 t1 = t0 + kt;
         const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
-        const bool partial = fast_softmax(w, 1, s_cur, t0, kt, scale);
+        const bool partial = fast_softmax(w, 1, s_cur, t0, kt, rule);
         const V a = Ops::set1(w.alpha[0]);
         for (int c = 0; c < N; ++c) acc[c] = Ops::mul(acc[c], a);
         if (partial)

@@ -14,13 +14,18 @@
 // The parts, class templates over Ops, each using only parts listed above it:
 //   isa_ops.hpp       the concept IsaOps; size_switch.hpp: a run-time count to a template argument
 //   workspace.hpp     the per-thread buffers of a block (the "on-chip" memory), Row, Prefetch
+//   score_rule.hpp    raw dot products to scores (scale, softcap, masks, key ranges): ScoreRule,
+//                     and with_score_rule, the switch from run-time options to the rule type
+//   online_softmax.hpp the running max and sum, the rescale factor, the end (1 / l, lse)
+//   lse_merge.hpp     the log-sum-exp merge of split partials (decode, serving, dist)
 //   microkernels.hpp  S = Q K^T and O = alpha O + P V on one tile, fp32 conversions
 //   block.hpp         one query block against its key tiles: online softmax, masks, the end
 //   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap)
 //   forward_schedule.hpp flash and decode over the whole problem, threads, the log-sum-exp merge
 //   backward_tiles.hpp  the backward's workspace, packed query blocks and key tiles (fp32, bf16)
 //   backward.hpp      the FlashAttention-2 backward (Algorithm 2) over the whole problem
-// and here the one switch from run-time options to template parameters, and the entry points of
+// and here the switch from run-time options to template parameters (the score rule's by
+// with_score_rule; the element type and the bf16 dot product), and the entry points of
 // the IsaKernels table (kernels/isa_kernels.hpp).
 #include <cstddef>
 
@@ -31,6 +36,7 @@
 #include "kernels/engine/forward_schedule.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/microkernels.hpp"
+#include "kernels/engine/score_rule.hpp"
 #include "kernels/engine/workspace.hpp"
 
 namespace qkv::detail::QKV_ENGINE_NS {
@@ -41,22 +47,16 @@ struct Engine {
   static constexpr int W = Ops::W;
 
   // ---- the one switch from run-time options to template parameters --------------------------
-  // `call` is a Problem (forward) or a BackwardProblem; Fn<E, DP, MASK, CAP>::run(call, ws, t).
+  // `call` is a Problem (forward) or a BackwardProblem; Fn<E, DP, Rule>::run(call, ws, t), R the
+  // call's score rule (score_rule.hpp, with_score_rule).
   static const Problem& problem_of(const Problem& p) { return p; }
   static const Problem& problem_of(const BackwardProblem& bp) { return bp.fwd; }
 
-  template <template <Elt, bool, bool, bool> class Fn, class Call>
+  template <template <Elt, bool, class> class Fn, class Call>
   static void dispatch(const Call& call, char* ws, int threads, bool bf16_dot) {
     const Problem& p = problem_of(call);
-    const bool mask = p.mask.data != nullptr, cap = p.softcap > 0.0;
     auto with_opts = [&]<Elt E, bool DP>() {
-      if (mask) {
-        if (cap) Fn<E, DP, true, true>::run(call, ws, threads);
-        else Fn<E, DP, true, false>::run(call, ws, threads);
-      } else {
-        if (cap) Fn<E, DP, false, true>::run(call, ws, threads);
-        else Fn<E, DP, false, false>::run(call, ws, threads);
-      }
+      with_score_rule(p, [&]<class Rule>() { Fn<E, DP, Rule>::run(call, ws, threads); });
     };
     switch (p.q.dtype) {
       case DType::bf16:
@@ -70,13 +70,13 @@ struct Engine {
     }
   }
 
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   struct FlashFn {
-    static void run(const Problem& p, char* ws, int t) { Dr::template flash_impl<E, DP, MASK, CAP>(p, ws, t); }
+    static void run(const Problem& p, char* ws, int t) { Dr::template flash_impl<E, DP, Rule>(p, ws, t); }
   };
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   struct DecodeFn {
-    static void run(const Problem& p, char* ws, int t) { Dr::template decode_impl<E, DP, MASK, CAP>(p, ws, t); }
+    static void run(const Problem& p, char* ws, int t) { Dr::template decode_impl<E, DP, Rule>(p, ws, t); }
   };
 
   /// The engine's vector exp on an array (for its accuracy test).
@@ -102,11 +102,9 @@ struct Engine {
   }
 
   // The backward (backward.hpp): the bf16 dot-product form when q, k, v, dO and O are all bf16.
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   struct BackwardFn {
-    static void run(const BackwardProblem& bp, char* ws, int t) {
-      Backward<Ops>::template run<E, DP, MASK, CAP>(bp, ws, t);
-    }
+    static void run(const BackwardProblem& bp, char* ws, int t) { Backward<Ops>::template run<E, DP, Rule>(bp, ws, t); }
   };
   static std::size_t backward_workspace(const BackwardProblem& bp, int threads) {
     return Backward<Ops>::workspace(bp.fwd, threads);

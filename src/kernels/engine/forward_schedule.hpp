@@ -43,7 +43,7 @@ struct Drivers {
   // ---- flash: the whole problem --------------------------------------------------------------
   static std::size_t flash_ws(const Problem& p, int threads) { return kGroup * Wsp::ws_bytes(p) * threads; }
 
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void flash_impl(const Problem& p, char* ws, int threads) {
     const i64 nqb = (p.Sq + BQ - 1) / BQ;
     const i64 ngroup = (nqb + kGroup - 1) / kGroup;
@@ -70,7 +70,7 @@ struct Drivers {
         Block blk[kGroup];
         int g = 0;
         for (i64 qb = nqb - 1 - kGroup * gq; g < kGroup && qb >= 0; --qb, ++g) blk[g] = make_block(p, b, h, qb, w[g]);
-        Bp::template process_group<E, DP, MASK, CAP>(p, blk, w, g);
+        Bp::template process_group<E, DP, Rule>(p, blk, w, g);
         for (int x = 0; x < g; ++x) Bp::finish(p, w[x], blk[x].n);
       });
     });
@@ -111,7 +111,7 @@ struct Drivers {
     return Wsp::ws_bytes(p) * threads + align_up(parts * (Wsp::dvp(p) + 2) * sizeof(float));
   }
 
-  template <Elt E, bool DP, bool MASK, bool CAP>
+  template <Elt E, bool DP, class Rule>
   static void decode_impl(const Problem& p, char* ws, int threads) {
     const i64 R = decode_rows(p);
     const i64 nrb = (R + BQ - 1) / BQ;
@@ -145,11 +145,11 @@ struct Drivers {
         Bp::block_range(w, n, lo, hi, blk.max_lo, blk.min_hi);
         blk.ka = std::max(lo, c * C);
         blk.kb = std::min(hi, (c + 1) * C);
-        if constexpr (!MASK && !CAP) {
+        if constexpr (Rule::kVector) {
           if (fast) Fast::template process_fast<E>(p, blk, w);
-          else Bp::template process<E, DP, MASK, CAP>(p, blk, w);
+          else Bp::template process<E, DP, Rule>(p, blk, w);
         } else {
-          Bp::template process<E, DP, MASK, CAP>(p, blk, w);
+          Bp::template process<E, DP, Rule>(p, blk, w);
         }
         float* dst = parts + ((bhk * NC + c) * R + r0) * row_f;
         for (int r = 0; r < n; ++r) {

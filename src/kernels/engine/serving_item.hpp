@@ -37,6 +37,7 @@
 #include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/online_softmax.hpp"
+#include "kernels/engine/score_rule.hpp"
 #include "kernels/engine/serving_rows.hpp"
 #include "kernels/serving.hpp"
 
@@ -76,7 +77,6 @@ struct ServingItemBody : ServingRows<Ops> {
     i64* hi = reinterpret_cast<i64*>(carve(L.rows * 8));
     float** orow = reinterpret_cast<float**>(carve(L.rows * 8));  // each row's partial, found once
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const float scale = static_cast<float>(p.scale), cap = static_cast<float>(p.softcap);
     std::memset(zero, 0, static_cast<std::size_t>(std::max(Dp, Dvp)) * 4);
     auto head_of = [&](i64 r) { return it.hk + r / Rh; };
     auto part_of = [&](i64 r) {
@@ -257,39 +257,41 @@ struct ServingItemBody : ServingRows<Ops> {
         }
     }
 
-    // Per row: scale (and softcap), the mask, max, exponentials, their sum.
+    // Per row: the scores by the rule (score_rule.hpp: scale, softcap, the key range), max,
+    // exponentials, their sum.
     alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     static_assert(W <= 16);
-    const V iota = Ops::load(kIota), vscale = Ops::set1(scale);
-    for (i64 r = 0; r < R; ++r) {
-      if (lo[r] >= hi[r]) continue;
-      float* sr = s + r * SP - s0;
-      const i64 ga = lo[r] / W * W;
-      const V vlo = Ops::set1(static_cast<float>(lo[r] - s0)), vhi = Ops::set1(static_cast<float>(hi[r] - s0));
-      if (cap > 0.0f) {
-        for (i64 j = lo[r]; j < hi[r]; ++j) sr[j] = cap * std::tanh((sr[j] * scale) / cap);
+    const V iota = Ops::load(kIota);
+    with_score_rule<false>(p, [&]<class Rule>() {
+      const Rule rule(p);
+      for (i64 r = 0; r < R; ++r) {
+        if (lo[r] >= hi[r]) continue;
+        float* sr = s + r * SP - s0;
+        const i64 ga = lo[r] / W * W;
+        const V vlo = Ops::set1(static_cast<float>(lo[r] - s0)), vhi = Ops::set1(static_cast<float>(hi[r] - s0));
+        if constexpr (Rule::kHasSoftcap)
+          for (i64 j = lo[r]; j < hi[r]; ++j) sr[j] = rule.scaled(sr[j]);
+        V vm = Ops::set1(neg_inf);
+        for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
+          const V x = rule.template vec<Ops>(Ops::load(sr + j0), vlo, vhi,
+                                             Ops::add(Ops::set1(static_cast<float>(j0 - s0)), iota));
+          Ops::store(sr + j0, x);
+          vm = Ops::max(vm, x);
+        }
+        // The split is the first tile of the row's online softmax (online_softmax.hpp): l = sum.
+        const float ms = OnlineSoftmax<Ops>::shift_of(OnlineSoftmax<Ops>::row_max(vm));  // -inf: every weight 0
+        const V vms = Ops::set1(ms);
+        V vl = Ops::zero();
+        for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
+          const V pj = Ops::exp(Ops::sub(Ops::load(sr + j0), vms));
+          Ops::store(sr + j0, pj);
+          vl = Ops::add(vl, pj);
+        }
+        float* part = orow[r];
+        part[Dvp] = ms;
+        part[Dvp + 1] = Ops::hsum(vl);
       }
-      V vm = Ops::set1(neg_inf);
-      for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
-        V x = Ops::load(sr + j0);
-        if (cap <= 0.0f) x = Ops::mul(x, vscale);
-        x = Ops::range_select(x, vlo, vhi, Ops::add(Ops::set1(static_cast<float>(j0 - s0)), iota));
-        Ops::store(sr + j0, x);
-        vm = Ops::max(vm, x);
-      }
-      // The split is the first tile of the row's online softmax (online_softmax.hpp): l = sum.
-      const float ms = OnlineSoftmax<Ops>::shift_of(OnlineSoftmax<Ops>::row_max(vm));  // -inf: every weight 0
-      const V vms = Ops::set1(ms);
-      V vl = Ops::zero();
-      for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
-        const V pj = Ops::exp(Ops::sub(Ops::load(sr + j0), vms));
-        Ops::store(sr + j0, pj);
-        vl = Ops::add(vl, pj);
-      }
-      float* part = orow[r];
-      part[Dvp] = ms;
-      part[Dvp + 1] = Ops::hsum(vl);
-    }
+    });
 
     // O += p_j v_j over each row's own keys, ascending, a group of W values at a time.
     bool split = false;
