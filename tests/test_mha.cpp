@@ -451,16 +451,24 @@ TEST(Mha, SinksLoadFromTheirNameAndAlibiIsBloomS) {
     std::memcpy(t.data(), v.data(), static_cast<std::size_t>(v.numel()) * 4);
     return t;
   };
-  std::map<std::string, Tensor> gpt_oss;  // Hugging Face's gpt-oss attention block
-  gpt_oss.emplace("self_attn.q_proj.weight", copy(src.w_q()));
-  gpt_oss.emplace("self_attn.k_proj.weight", copy(src.w_k()));
-  gpt_oss.emplace("self_attn.v_proj.weight", copy(src.w_v()));
-  gpt_oss.emplace("self_attn.q_proj.bias", copy(src.b_q()));
-  gpt_oss.emplace("self_attn.k_proj.bias", copy(src.b_k()));
-  gpt_oss.emplace("self_attn.v_proj.bias", copy(src.b_v()));
-  gpt_oss.emplace("self_attn.o_proj.weight", copy(src.w_o()));
-  gpt_oss.emplace("self_attn.o_proj.bias", copy(src.b_o()));
-  gpt_oss.emplace("self_attn.sinks", copy(src.sinks()));
+  // Hugging Face's gpt-oss attention block, with or without its sinks, or with sinks of `sinks` shape
+  auto weights = [&](const qkv::Shape& sinks) {
+    std::map<std::string, Tensor> w;
+    w.emplace("self_attn.q_proj.weight", copy(src.w_q()));
+    w.emplace("self_attn.k_proj.weight", copy(src.w_k()));
+    w.emplace("self_attn.v_proj.weight", copy(src.w_v()));
+    w.emplace("self_attn.q_proj.bias", copy(src.b_q()));
+    w.emplace("self_attn.k_proj.bias", copy(src.b_k()));
+    w.emplace("self_attn.v_proj.bias", copy(src.b_v()));
+    w.emplace("self_attn.o_proj.weight", copy(src.w_o()));
+    w.emplace("self_attn.o_proj.bias", copy(src.b_o()));
+    if (sinks == src.sinks().shape())
+      w.emplace("self_attn.sinks", copy(src.sinks()));
+    else if (!sinks.empty())
+      w.emplace("self_attn.sinks", Tensor(DType::f32, sinks));
+    return w;
+  };
+  const std::map<std::string, Tensor> gpt_oss = weights({4}), without = weights({}), wrong = weights({3});
   MhaConfig c = qkv::infer_mha_config(gpt_oss, 4, 2, "self_attn.");
   EXPECT_TRUE(c.sinks);
   EXPECT_FALSE(c.alibi);  // ALiBi has no weight: the config says it
@@ -491,11 +499,7 @@ TEST(Mha, SinksLoadFromTheirNameAndAlibiIsBloomS) {
   // sinks in the file but not in the config (silently dropped otherwise), and the reverse
   MultiHeadAttention no_sinks(scored(c, false, true));
   EXPECT_NE(message([&] { no_sinks.load_weights(gpt_oss, "self_attn."); }).find("sinks = false"), std::string::npos);
-  std::map<std::string, Tensor> without = gpt_oss;
-  without.erase("self_attn.sinks");
   EXPECT_NE(message([&] { a.load_weights(without, "self_attn."); }).find("no 'sinks' tensor"), std::string::npos);
-  std::map<std::string, Tensor> wrong = gpt_oss;
-  wrong.at("self_attn.sinks") = Tensor(DType::f32, {3});
   EXPECT_NE(message([&] { a.load_weights(wrong, "self_attn."); }).find("sinks: expected shape [4]"),
             std::string::npos);
   // the layer's sinks or slopes and the options' are exclusive

@@ -435,7 +435,7 @@ INSTANTIATE_TEST_SUITE_P(
              .causal = true, .align = qkv::Alignment::top_left, .mask = 2, .layout = Layout::padded},
         Case{.name = "self_sinks", .cfg = scored(cfg(12, 4, 4), true, false)},
         Case{.name = "self_gqa_sinks_alibi_causal_window_keep_first_rope",
-             .cfg = scored(cfg(12, 4, 2, 0, 0, true, rope(kHalf)), true, true), .causal = true, .window_left = 2,
+             .cfg = scored(cfg(12, 4, 2, 4, 0, true, rope(kHalf)), true, true), .causal = true, .window_left = 2,
              .keep_first = 2},
         Case{.name = "self_alibi_softcap_boolmask_strided", .cfg = scored(cfg(12, 2, 1, 5), false, true),
              .softcap = 1.5, .mask = 1, .layout = Layout::padded},
