@@ -428,3 +428,23 @@ def test_kv_cache_attend_takes_the_options():
     z = np.array([0.1, 0.2, -0.3, 1.0], dtype=np.float32)
     opts = dict(sinks=z, alibi_slopes=qkv.alibi_slopes(Hq), causal=True, window=(3, 0), keep_first=2)
     assert np.array_equal(cache.attend(q, **opts), qkv.attention(q, k, v, **opts))
+
+
+def test_fast_kernels_refuse_the_options_by_name_and_explain_says_so():
+    # in this version the reference runs them: kernel="auto" picks it, a forced fast kernel is refused
+    q = rand(1, 2, 3, 8, seed=0)
+    z = np.zeros(2, np.float32)
+    for kw, name in ((dict(sinks=z), "sinks"), (dict(alibi_slopes=z), "alibi_slopes"),
+                     (dict(keep_first=1, window=(1, 0)), "keep_first")):
+        assert "reference: chosen" in qkv.explain_dispatch(q, q, q, **kw)
+        assert f"flash: refused ({'window_' if name == 'keep_first' else ''}{name}" in \
+            qkv.explain_dispatch(q, q, q, **kw)
+        for kernel in ("flash", "decode"):
+            with pytest.raises(ValueError, match=f"kernel: .*{name}"):
+                qkv.attention(q, q, q, kernel=kernel, **kw)
+    assert "reference: chosen" in qkv.explain_dispatch(q, q, q, sinks=z, backward=True)
+    out, lse = qkv.attention(q, q, q, sinks=z, return_lse=True)
+    with pytest.raises(ValueError, match="kernel: .*sinks"):
+        qkv.attention_backward(q, q, q, out, lse, out, sinks=z, kernel="flash")
+    with pytest.raises(ValueError, match="sinks: expected finite"):
+        qkv.attention(q, q, q, sinks=np.array([np.nan, 0], np.float32))
