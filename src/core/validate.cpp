@@ -164,8 +164,9 @@ void lower_score_options(Problem& p, const AttentionParams& params, std::int64_t
   if (params.alibi_slopes) lower_alibi(p, *params.alibi_slopes, batch);
   if (params.window_keep_first < 0)
     throw Error("window_keep_first: expected >= 0 (0 = off), got " + std::to_string(params.window_keep_first));
-  // Keys past Sk are never admitted: the clamp keeps the kernels' arithmetic small.
-  p.keep_first = std::min(params.window_keep_first, p.Sk + 1);
+  // Not clamped to Sk: packed and paged calls lower their options before their keys are known;
+  // the kernels only compare it with key positions (Problem::key_ranges).
+  p.keep_first = params.window_keep_first;
 }
 
 void check_rank4(const TensorView& t, const char* name, const char* axes) {
