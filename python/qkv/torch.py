@@ -203,8 +203,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     ALiBi slopes (no gradient), whose |i - j| distance is top-left aligned like is_causal (query
     i sits at key i). SDPA has no sliding window, so keep_first has no place here.
 
-    Raises: NotImplementedError for dropout_p > 0 and for an attn_mask that requires grad (qkv
-    computes no mask gradient); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
+    Raises: NotImplementedError for dropout_p > 0 and for an attn_mask or alibi_slopes that
+    requires grad (qkv computes no gradient for them); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
     without enable_gqa, and everything qkv.attention refuses; TypeError for an enable_gqa that
     is not a bool (or 0/1), and for a keyword this function does not take (naming it, and the one
     meant for a misspelling).
@@ -254,7 +254,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     exp(score), and S_dmask is None: FlashAttention returns the dropout mask pattern there only
     for dropout_p > 0, which qkv does not implement. A query row with no admissible key (a
     window or Sk = 0) has output 0 and softmax_lse -inf, the log of its empty sum (FlashAttention
-    2's CUDA kernel writes +inf there).
+    2's CUDA kernel writes +inf there), or z_h with sinks.
 
     Raises: NotImplementedError for dropout_p > 0 (naming the argument) or alibi_slopes that
     require grad with grad enabled; ValueError/TypeError as qkv.attention; TypeError for a keyword
