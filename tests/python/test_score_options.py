@@ -430,6 +430,19 @@ def test_kv_cache_attend_takes_the_options():
     assert np.array_equal(cache.attend(q, **opts), qkv.attention(q, k, v, **opts))
 
 
+def test_explain_shows_the_score_options():
+    (q, k, v), opts, ref = case_arrays(CASES["all_three_kv_lens"], np.float64)
+    steps = qkv.explain(q, k, v, **opts)
+    out, lse, p_sink = reference(q, k, v, **ref)
+    assert np.abs(steps["output"] - out).max() < 1e-12 and np.abs(steps["softmax_lse"] - lse).max() < 1e-12
+    assert np.abs(steps["sink_weights"] - p_sink).max() < 1e-12
+    assert np.abs(steps["weights"].sum(-1) + steps["sink_weights"] - 1).max() < 1e-12
+    assert np.array_equal(steps["sinks"], opts["sinks"].astype(np.float64)) and steps["keep_first"] == 2
+    assert np.array_equal(steps["alibi_slopes"], np.broadcast_to(opts["alibi_slopes"], (2, 4)))
+    plain = qkv.explain(q, k, v)
+    assert plain["sinks"] is None and plain["sink_weights"] is None and plain["alibi_slopes"] is None
+
+
 def test_fast_kernels_refuse_the_options_by_name_and_explain_says_so():
     # in this version the reference runs them: kernel="auto" picks it, a forced fast kernel is refused
     q = rand(1, 2, 3, 8, seed=0)
