@@ -498,6 +498,9 @@ TEST(ScoreOptionsDispatch, DenseForwardAndBackwardRunTheReference) {
       const std::string ez = explain_dispatch(f.q, f.k, f.v, out, lse, out, dq, dk, dv, dz, params);
       EXPECT_TRUE(contains(ez, "flash: refused (sinks")) << ez;
       attention_backward(f.q, f.k, f.v, out, lse, out, dq, dk, dv, dz, params);
+      Tensor rz(DType::f32, {f.Hq});
+      reference::attention_backward(f.q, f.k, f.v, out, lse, out, rq, rk, rv, rz, params);
+      EXPECT_EQ(std::memcmp(dz.data(), rz.data(), dz.nbytes()), 0);
     }
   }
 }

@@ -23,27 +23,12 @@ std::string explain_dispatch(const TensorView& q, const TensorView& k, const Ten
   return detail::explain_call(detail::Call::backward(bp, params));
 }
 
-namespace {
-detail::BackwardProblem lower_with_sinks(const TensorView& q, const TensorView& k, const TensorView& v,
-                                         const TensorView& out, const TensorView& softmax_lse,
-                                         const TensorView& grad_out, const TensorView& grad_q, const TensorView& grad_k,
-                                         const TensorView& grad_v, const TensorView& grad_sinks,
-                                         const AttentionParams& params) {
-  detail::BackwardProblem bp =
-      detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, params);
-  detail::lower_grad_sinks(bp, grad_sinks, params,
-                           {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
-                            {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
-  return bp;
-}
-}  // namespace
-
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
                         const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
                         const AttentionParams& params) {
   const detail::BackwardProblem bp =
-      lower_with_sinks(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, grad_sinks, params);
+      detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, grad_sinks, params);
   detail::run_call(detail::Call::backward(bp, params));
 }
 
@@ -52,7 +37,7 @@ std::string explain_dispatch(const TensorView& q, const TensorView& k, const Ten
                              const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
                              const AttentionParams& params) {
   const detail::BackwardProblem bp =
-      lower_with_sinks(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, grad_sinks, params);
+      detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, grad_sinks, params);
   return detail::explain_call(detail::Call::backward(bp, params));
 }
 

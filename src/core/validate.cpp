@@ -397,4 +397,16 @@ void lower_grad_sinks(BackwardProblem& bp, const TensorView& grad_sinks, const A
   bp.dsinks = {grad_sinks.data(), DType::f32, 0, 0, 0, 1};
 }
 
+BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                         const TensorView& out, const TensorView& softmax_lse,
+                                         const TensorView& grad_out, const TensorView& grad_q,
+                                         const TensorView& grad_k, const TensorView& grad_v,
+                                         const TensorView& grad_sinks, const AttentionParams& params) {
+  BackwardProblem bp = lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, params);
+  lower_grad_sinks(bp, grad_sinks, params,
+                   {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                    {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
+  return bp;
+}
+
 }  // namespace qkv::detail

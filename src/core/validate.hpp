@@ -47,6 +47,14 @@ BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& 
 void lower_score_options(Problem& p, const AttentionParams& params, std::int64_t batch);
 void lower_alibi(Problem& p, const TensorView& slopes, std::int64_t batch);
 
+/// lower_attention_backward, then grad_sinks through lower_grad_sinks (the grad_sinks overloads
+/// of qkv::attention_backward and qkv::reference::attention_backward).
+BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                         const TensorView& out, const TensorView& softmax_lse,
+                                         const TensorView& grad_out, const TensorView& grad_q,
+                                         const TensorView& grad_k, const TensorView& grad_v,
+                                         const TensorView& grad_sinks, const AttentionParams& params);
+
 /// grad_sinks of the backward's sinks overloads checked (params.sinks given, float32 [Hq],
 /// contiguous, disjoint from `others` and from the options' tensors) and set in bp.dsinks.
 void lower_grad_sinks(BackwardProblem& bp, const TensorView& grad_sinks, const AttentionParams& params,

@@ -114,4 +114,12 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   detail::reference_backward(bp);
 }
 
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                        const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
+                        const AttentionParams& params) {
+  detail::reference_backward(detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k,
+                                                              grad_v, grad_sinks, params));
+}
+
 }  // namespace qkv::reference
