@@ -41,7 +41,30 @@ MultiHeadAttention make_layer(MhaConfig cfg, std::uint32_t seed = 100) {
   fill_normal(m.w_o(), seed + 1, sd);
   if (m.config().qkv_bias) fill_normal(m.in_proj_bias(), seed + 2, 0.1f);
   if (m.config().out_bias) fill_normal(m.b_o(), seed + 3, 0.1f);
+  if (m.config().sinks) fill_normal(m.sinks(), seed + 4, 1.0f);
   return m;
+}
+
+// BLOOM's ALiBi slopes (Press et al. 2022, sec. 3): 2^(-8h/n) for n a power of two; else those of
+// the power of two p below n, then the odd powers of 2^(-4/p).
+std::vector<float> bloom_slopes(std::int64_t n) {
+  std::int64_t p = 1;
+  while (2 * p <= n) p *= 2;
+  std::vector<float> s;
+  for (std::int64_t h = 1; h <= p; ++h) s.push_back(static_cast<float>(std::pow(2.0, -8.0 * h / p)));
+  for (std::int64_t h = 0; h < n - p; ++h) s.push_back(static_cast<float>(std::pow(2.0, -4.0 * (2 * h + 1) / p)));
+  return s;
+}
+
+// The attention options of a layer's call written out: the caller's, with the layer's sinks (its
+// weight) and BLOOM's slopes when configured. `slopes` holds the slopes' memory.
+qkv::AttentionParams layer_params(const MultiHeadAttention& m, qkv::AttentionParams p, std::vector<float>& slopes) {
+  if (m.config().sinks) p.sinks = m.sinks();
+  if (m.config().alibi) {
+    slopes = bloom_slopes(m.config().num_heads);
+    p.alibi_slopes = TensorView(slopes.data(), DType::f32, {m.config().num_heads});
+  }
+  return p;
 }
 
 // y[b,s,:] = x[b,s,:] W^T + bias, in double. x is [B,S,K] (any strides), W [N,K] contiguous float.
@@ -119,6 +142,7 @@ struct Case {
   bool causal;
   std::int64_t window_left;
   double softcap;
+  std::int64_t keep_first = 0;
 };
 
 class MhaVsFloat64 : public ::testing::TestWithParam<Case> {};
@@ -133,12 +157,14 @@ TEST_P(MhaVsFloat64, Agrees) {
   o.attention.causal = cs.causal;
   o.attention.window_left = cs.window_left;
   o.attention.softcap = cs.softcap;
+  o.attention.window_keep_first = cs.keep_first;
   Tensor y(DType::f32, {cs.B, cs.Sq, dm});
   if (cs.Sk < 0)
     m.forward(xq, y, o);
   else
     m.forward(xq, xkv, y, o);
-  const Tensor want = mha64(m, xq, cs.Sk < 0 ? xq.view() : xkv.view(), o.attention);
+  std::vector<float> slopes;
+  const Tensor want = mha64(m, xq, cs.Sk < 0 ? xq.view() : xkv.view(), layer_params(m, o.attention, slopes));
   EXPECT_LE(max_err(y, want), 1e-5) << cs.name;
 }
 
@@ -152,6 +178,12 @@ MhaConfig cfg(std::int64_t dm, std::int64_t hq, std::int64_t hkv, std::int64_t d
   c.head_dim_v = dv;
   c.qkv_bias = c.out_bias = bias;
   c.rope = rope;
+  return c;
+}
+
+MhaConfig scored(MhaConfig c, bool sinks, bool alibi) {
+  c.sinks = sinks;
+  c.alibi = alibi;
   return c;
 }
 
@@ -175,7 +207,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"cross", cfg(32, 4, 4), 2, 5, 9, false, -1, 0.0},
                       Case{"cross_gqa_rope", cfg(32, 8, 2, 0, 0, false, rope(qkv::RopeStyle::interleaved)), 1,
                            3, 6, true, -1, 0.0},
-                      Case{"seq1", cfg(8, 2, 1), 3, 1, -1, true, -1, 0.0}),
+                      Case{"seq1", cfg(8, 2, 1), 3, 1, -1, true, -1, 0.0},
+                      Case{"sinks_gqa_causal", scored(cfg(32, 4, 2), true, false), 2, 7, -1, true, -1, 0.0},
+                      Case{"alibi_6_heads_window_keep_first", scored(cfg(24, 6, 3), false, true), 2, 9, -1, true, 3,
+                           0.0, 2},
+                      Case{"sinks_alibi_rope_softcap", scored(cfg(32, 4, 4, 0, 0, true, rope(qkv::RopeStyle::half_split)),
+                                                              true, true), 1, 6, -1, true, -1, 1.5},
+                      Case{"cross_sinks_alibi", scored(cfg(32, 8, 2), true, true), 2, 3, 6, false, -1, 0.0}),
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(Mha, MaskKvLensAndProbs) {
@@ -282,7 +320,10 @@ void check_cached(const MultiHeadAttention& m, const std::vector<std::int64_t>& 
           sum += pj;
           if (j > t0 + i) EXPECT_EQ(pj, 0.0f);
         }
-        EXPECT_NEAR(sum, 1.0, 1e-5);
+        if (m.config().sinks)
+          EXPECT_LT(sum, 1.0);  // the sink takes its share of every row
+        else
+          EXPECT_NEAR(sum, 1.0, 1e-5);
       }
     t0 += n;
   }
@@ -304,6 +345,10 @@ TEST(Mha, KVCacheTokenByTokenChunkedAndPreallocatedAgreeWithFullForward) {
     check_cached(m, {1, 1, 1, 1, 1}, 32, true);
     check_cached(m, {2, 3}, 32, true);
   }
+  // learned sinks and ALiBi: the decoding diagonal is the full sequence's (bottom-right)
+  const MultiHeadAttention m = make_layer(scored(cfg(32, 4, 2, 0, 0, false, rope(qkv::RopeStyle::half_split)), true, true));
+  check_cached(m, {1, 1, 1, 1, 1}, 5, false);
+  check_cached(m, {2, 3}, 32, true);
 }
 
 TEST(Mha, KVCacheOverflowIsRefusedAndLeavesTheCacheUnchanged) {
@@ -397,6 +442,83 @@ TEST(Mha, LoadsPackedAndSeparateWeightNames) {
   } catch (const qkv::Error& e) {
     EXPECT_NE(std::string(e.what()).find("[48,16]"), std::string::npos) << e.what();
   }
+}
+
+TEST(Mha, SinksLoadFromTheirNameAndAlibiIsBloomS) {
+  const MultiHeadAttention src = make_layer(scored(cfg(16, 4, 2), true, true));
+  auto copy = [](const TensorView& v) {
+    Tensor t(DType::f32, v.shape());
+    std::memcpy(t.data(), v.data(), static_cast<std::size_t>(v.numel()) * 4);
+    return t;
+  };
+  // Hugging Face's gpt-oss attention block, with or without its sinks, or with sinks of `sinks` shape
+  auto weights = [&](const qkv::Shape& sinks) {
+    std::map<std::string, Tensor> w;
+    w.emplace("self_attn.q_proj.weight", copy(src.w_q()));
+    w.emplace("self_attn.k_proj.weight", copy(src.w_k()));
+    w.emplace("self_attn.v_proj.weight", copy(src.w_v()));
+    w.emplace("self_attn.q_proj.bias", copy(src.b_q()));
+    w.emplace("self_attn.k_proj.bias", copy(src.b_k()));
+    w.emplace("self_attn.v_proj.bias", copy(src.b_v()));
+    w.emplace("self_attn.o_proj.weight", copy(src.w_o()));
+    w.emplace("self_attn.o_proj.bias", copy(src.b_o()));
+    if (sinks == src.sinks().shape())
+      w.emplace("self_attn.sinks", copy(src.sinks()));
+    else if (!sinks.empty())
+      w.emplace("self_attn.sinks", Tensor(DType::f32, sinks));
+    return w;
+  };
+  const std::map<std::string, Tensor> gpt_oss = weights({4}), without = weights({}), wrong = weights({3});
+  MhaConfig c = qkv::infer_mha_config(gpt_oss, 4, 2, "self_attn.");
+  EXPECT_TRUE(c.sinks);
+  EXPECT_FALSE(c.alibi);  // ALiBi has no weight: the config says it
+  c.alibi = true;
+  MultiHeadAttention a(c);
+  a.load_weights(gpt_oss, "self_attn.");
+  const std::vector<float> bloom = bloom_slopes(4);
+  for (std::int64_t h = 0; h < 4; ++h) {
+    EXPECT_EQ(a.sinks().data_as<float>()[h], src.sinks().data_as<float>()[h]);
+    EXPECT_EQ(a.alibi_slopes().data_as<float>()[h], bloom[static_cast<std::size_t>(h)]);
+  }
+  const Tensor x = random_f32({2, 3, 16}, 5);
+  Tensor want(DType::f32, {2, 3, 16}), got(DType::f32, {2, 3, 16});
+  src.forward(x, want);
+  a.forward(x, got);
+  for (std::int64_t i = 0; i < got.numel(); ++i) ASSERT_EQ(got.data_as<float>()[i], want.data_as<float>()[i]);
+  EXPECT_TRUE(MultiHeadAttention(cfg(16, 4, 2)).sinks().empty());
+  EXPECT_TRUE(MultiHeadAttention(cfg(16, 4, 2)).alibi_slopes().empty());
+
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const qkv::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // sinks in the file but not in the config (silently dropped otherwise), and the reverse
+  MultiHeadAttention no_sinks(scored(c, false, true));
+  EXPECT_NE(message([&] { no_sinks.load_weights(gpt_oss, "self_attn."); }).find("sinks = false"), std::string::npos);
+  EXPECT_NE(message([&] { a.load_weights(without, "self_attn."); }).find("no 'sinks' tensor"), std::string::npos);
+  EXPECT_NE(message([&] { a.load_weights(wrong, "self_attn."); }).find("sinks: expected shape [4]"),
+            std::string::npos);
+  // the layer's sinks or slopes and the options' are exclusive
+  Tensor other(DType::f32, {4});
+  MhaOptions o;
+  o.attention.sinks = other.view();
+  EXPECT_NE(message([&] { a.forward(x, got, o); }).find("options.attention.sinks"), std::string::npos);
+  o.attention.sinks.reset();
+  o.attention.alibi_slopes = other.view();
+  EXPECT_NE(message([&] { a.forward(x, got, o); }).find("options.attention.alibi_slopes"), std::string::npos);
+  // a layer without them passes the options' through
+  MultiHeadAttention plain(cfg(16, 4, 2));
+  plain.load_weights(without, "self_attn.");
+  o.attention.alibi_slopes.reset();
+  o.attention.sinks = src.sinks();
+  std::vector<float> slopes = bloom_slopes(4);
+  o.attention.alibi_slopes = TensorView(slopes.data(), DType::f32, {4});
+  plain.forward(x, got, o);
+  for (std::int64_t i = 0; i < got.numel(); ++i) ASSERT_EQ(got.data_as<float>()[i], want.data_as<float>()[i]);
 }
 
 TEST(Mha, TorchMaskPolarityIsInverted) {

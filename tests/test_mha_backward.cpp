@@ -52,6 +52,12 @@ MhaConfig cfg(std::int64_t dm, std::int64_t hq, std::int64_t hkv, std::int64_t d
   return c;
 }
 
+MhaConfig scored(MhaConfig c, bool sinks, bool alibi) {
+  c.sinks = sinks;
+  c.alibi = alibi;
+  return c;
+}
+
 RopeConfig rope(RopeStyle style, std::int64_t rotary_dim = 0, double theta = 10000.0,
                 qkv::RopeAngles angles = qkv::RopeAngles::f64) {
   RopeConfig r;
@@ -69,6 +75,13 @@ MultiHeadAttention make_layer(const MhaConfig& c, std::uint32_t seed = 100) {
   fill_normal(m.w_o(), seed + 1, sd);
   if (m.config().qkv_bias) fill_normal(m.in_proj_bias(), seed + 2, 0.1f);
   if (m.config().out_bias) fill_normal(m.b_o(), seed + 3, 0.1f);
+  if (m.config().sinks) {
+    // sink logits on a grid of 2^-8, so that the finite differences' steps of the sinks (kSinkStep)
+    // are exact in the float32 sinks the attention reads
+    fill_normal(m.sinks(), seed + 4, 1.0f);
+    for (std::int64_t h = 0; h < m.sinks().numel(); ++h)
+      m.sinks().data_as<float>()[h] = std::round(m.sinks().data_as<float>()[h] * 256.f) / 256.f;
+  }
   return m;
 }
 
@@ -123,7 +136,7 @@ std::vector<double> flat64(const TensorView& t) {
 
 // Everything the loss depends on, in float64.
 struct State64 {
-  std::vector<double> w_in, b_in, w_o, b_o, xq, xkv, dy;
+  std::vector<double> w_in, b_in, w_o, b_o, xq, xkv, dy, sinks;
 };
 
 // RoPE on a [B, S, H, Dh] row-major buffer, from the RoFormer formula (rope.hpp), in double; with
@@ -201,8 +214,18 @@ std::vector<double> forward64(const Call& su, const State64& st) {
   auto heads = [](std::vector<double>& buf, std::int64_t B_, std::int64_t S, std::int64_t H, std::int64_t d) {
     return TensorView(buf.data(), DType::f64, {B_, H, S, d}, {S * H * d, d, H * d, 1});
   };
+  // The layer's sinks (float32, as the library takes them) and BLOOM's slopes for 2 or 4 heads
+  // (powers of two: 2^(-8h/Hq)).
+  qkv::AttentionParams p = su.o.attention;
+  std::vector<float> sinks(st.sinks.begin(), st.sinks.end()), slopes;
+  if (c.sinks) p.sinks = TensorView(sinks.data(), DType::f32, {Hq});
+  if (c.alibi) {
+    for (std::int64_t h = 1; h <= Hq; ++h)
+      slopes.push_back(static_cast<float>(std::pow(2.0, -8.0 * static_cast<double>(h) / static_cast<double>(Hq))));
+    p.alibi_slopes = TensorView(slopes.data(), DType::f32, {Hq});
+  }
   qkv::reference::attention(heads(q, B, Sq, Hq, D), heads(k, B, Sk, Hkv, D), heads(v, B, Sk, Hkv, Dv),
-                            heads(o, B, Sq, Hq, Dv), su.o.attention);
+                            heads(o, B, Sq, Hq, Dv), p);
   return linear64(o, B * Sq, Hq * Dv, st.w_o, st.b_o, 0, dm);
 }
 
@@ -223,6 +246,9 @@ double loss64(const Call& su, const State64& st) {
 // margin of over 100 for other kernels and instruction sets, while a wrong index, sign, rotation
 // direction or missing term gives errors of order max |grad|.
 constexpr double kFdStep = 1e-6;
+// The sinks reach the attention as float32: their step is a power of two, exact there (the sinks
+// are multiples of 2^-8); truncation error ~h^2 |d3L| / 6 ~ 1e-9 |d3L|.
+constexpr double kSinkStep = 1.0 / 16384;
 constexpr double kRelTol = 1e-4;
 constexpr double kAbsTol = 1e-6;
 
@@ -230,18 +256,18 @@ constexpr double kAbsTol = 1e-6;
 // central differences of the loss with respect to every element of `param`.
 template <class At>
 void check_grad(const Call& su, State64& st, std::vector<double>& param, std::int64_t n, At at,
-                const char* what, const std::string& name) {
+                const char* what, const std::string& name, double step = kFdStep) {
   ASSERT_EQ(static_cast<std::int64_t>(param.size()), n) << name << ": " << what;
   std::vector<double> fd(static_cast<std::size_t>(n));
   double gmax = 0.0;
   for (std::int64_t i = 0; i < n; ++i) {
     const double keep = param[static_cast<std::size_t>(i)];
-    param[static_cast<std::size_t>(i)] = keep + kFdStep;
+    param[static_cast<std::size_t>(i)] = keep + step;
     const double lp = loss64(su, st);
-    param[static_cast<std::size_t>(i)] = keep - kFdStep;
+    param[static_cast<std::size_t>(i)] = keep - step;
     const double lm = loss64(su, st);
     param[static_cast<std::size_t>(i)] = keep;
-    fd[static_cast<std::size_t>(i)] = (lp - lm) / (2 * kFdStep);
+    fd[static_cast<std::size_t>(i)] = (lp - lm) / (2 * step);
     gmax = std::max(gmax, std::abs(fd[static_cast<std::size_t>(i)]));
   }
   const double tol = kRelTol * gmax + kAbsTol;
@@ -279,6 +305,7 @@ struct Case {
   bool kv_lens = false;
   bool positions = false;  // explicit RoPE positions: q per sequence [B,S], k shared [Sk]
   bool reference = false;  // KernelKind::reference (the float64 forward and backward)
+  std::int64_t keep_first = 0;  // AttentionParams::window_keep_first
   Layout layout = Layout::contiguous;  // of x (x_q, x_kv) and dx; dy takes the sbd layout when not contiguous
 };
 
@@ -299,6 +326,7 @@ TEST_P(MhaBackwardFD, EveryGradientMatchesFiniteDifferences) {
   o.attention.align = cs.align;
   o.attention.window_left = cs.window_left;
   o.attention.softcap = cs.softcap;
+  o.attention.window_keep_first = cs.keep_first;
   if (cs.reference) o.attention.kernel = qkv::KernelKind::reference;
   std::mt19937 rng(11);
   if (cs.mask == 1) {
@@ -340,7 +368,8 @@ TEST_P(MhaBackwardFD, EveryGradientMatchesFiniteDifferences) {
   Act dxq = make_act(B, Sq, dm, cs.layout, 4), dxkv = make_act(B, Sk, dm, cs.layout, 5);  // overwritten
   State64 st{flat64(m.in_proj_weight()), c.qkv_bias ? flat64(m.in_proj_bias()) : std::vector<double>{},
              flat64(m.w_o()), c.out_bias ? flat64(m.b_o()) : std::vector<double>{}, act64(xq.view),
-             su.self ? std::vector<double>{} : act64(xkv.view), act64(dy.view)};
+             su.self ? std::vector<double>{} : act64(xkv.view), act64(dy.view),
+             c.sinks ? flat64(m.sinks()) : std::vector<double>{}};
 
   // The float64 forward is the layer's forward (to float32 rounding).
   Tensor y(DType::f32, {B, Sq, dm});
@@ -368,6 +397,7 @@ TEST_P(MhaBackwardFD, EveryGradientMatchesFiniteDifferences) {
   if (c.out_bias) check_grad(su, st, st.b_o, dm, flat(g.b_o()), "b_o", n);
   check_grad(su, st, st.xq, B * Sq * dm, rows(dxq.view), su.self ? "dx" : "dx_q", n);
   if (!su.self) check_grad(su, st, st.xkv, B * Sk * dm, rows(dxkv.view), "dx_kv", n);
+  if (c.sinks) check_grad(su, st, st.sinks, c.num_heads, flat(g.sinks()), "sinks", n, kSinkStep);
 }
 
 using qkv::RopeAngles;
@@ -402,7 +432,17 @@ INSTANTIATE_TEST_SUITE_P(
              .Sk = 3, .causal = true},
         Case{.name = "cross_topleft_additive_mask_strided",
              .cfg = cfg(12, 2, 1, 5, 0, true, rope(kInterleaved, 4)), .B = 3, .Sq = 4, .Sk = 6,
-             .causal = true, .align = qkv::Alignment::top_left, .mask = 2, .layout = Layout::padded}),
+             .causal = true, .align = qkv::Alignment::top_left, .mask = 2, .layout = Layout::padded},
+        Case{.name = "self_sinks", .cfg = scored(cfg(12, 4, 4), true, false)},
+        Case{.name = "self_gqa_sinks_alibi_causal_window_keep_first_rope",
+             .cfg = scored(cfg(12, 4, 2, 4, 0, true, rope(kHalf)), true, true), .causal = true, .window_left = 2,
+             .keep_first = 2},
+        Case{.name = "self_alibi_softcap_boolmask_strided", .cfg = scored(cfg(12, 2, 1, 5), false, true),
+             .softcap = 1.5, .mask = 1, .layout = Layout::padded},
+        Case{.name = "cross_sinks_alibi_kvlens_rows_without_keys", .cfg = scored(cfg(12, 4, 2, 0, 0, false), true, true),
+             .Sq = 7, .Sk = 5, .causal = true, .kv_lens = true},
+        Case{.name = "cross_sinks_alibi_topleft_reference", .cfg = scored(cfg(12, 2, 2, 3, 5), true, true), .Sq = 4,
+             .Sk = 6, .causal = true, .align = qkv::Alignment::top_left, .reference = true}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // apply_rope_inverse undoes apply_rope and is its transpose: <R x, g> = <x, R^T g>.

@@ -4,13 +4,17 @@
 ///
 /// Source: Vaswani et al. 2017, "Attention Is All You Need", sec. 3.2.2 (multi-head attention),
 /// with grouped-query attention (Ainslie et al. 2023, GQA; num_kv_heads = 1 is multi-query
-/// attention, Shazeer 2019) and optional rotary position embedding (Su et al. 2021, see rope.hpp).
+/// attention, Shazeer 2019), optional rotary position embedding (Su et al. 2021, see rope.hpp),
+/// optional learned attention sinks (one logit z_h per query head, as gpt-oss: each row's softmax
+/// gets one more term exp(z_h) that carries no value; AttentionParams::sinks) and optional ALiBi
+/// biases with BLOOM's standard slopes (Press et al. 2022; AttentionParams::alibi_slopes).
 ///
 ///   q = x_q W_Q^T + b_Q      [B, Sq, Hq*D]   viewed as heads [B, Hq, Sq, D]  (BSHD storage)
 ///   k = x_kv W_K^T + b_K     [B, Sk, Hkv*D]  viewed as       [B, Hkv, Sk, D]
 ///   v = x_kv W_V^T + b_V     [B, Sk, Hkv*Dv] viewed as       [B, Hkv, Sk, Dv]
 ///   (RoPE on q and k, if configured)
-///   o = attention(q, k, v)   [B, Sq, Hq*Dv]  (qkv::attention(), the fastest usable kernel)
+///   o = attention(q, k, v)   [B, Sq, Hq*Dv]  (qkv::attention(), the fastest usable kernel;
+///                                             with the layer's sinks and ALiBi slopes)
 ///   y = o W_O^T + b_O        [B, Sq, d_model]
 /// Weights use PyTorch's Linear layout ([out_features, in_features], y = x W^T + b):
 ///   W_Q [Hq*D, d_model], W_K [Hkv*D, d_model], W_V [Hkv*Dv, d_model], W_O [d_model, Hq*Dv].
@@ -24,7 +28,8 @@
 /// "Backward"); the attention step is FlashAttention-2's backward (Dao 2023, Algorithm 2;
 /// backward.hpp). Sums run over every (b, s) row:
 ///   dW_O += dy^T o,  db_O += sum dy,  do = dy W_O
-///   dq, dk, dv = attention_backward(q, k, v, o, softmax_lse, do)   (GQA: dk, dv per KV head)
+///   dq, dk, dv = attention_backward(q, k, v, o, softmax_lse, do)   (GQA: dk, dv per KV head;
+///                                                  with sinks also d sinks, summed over B and Sq)
 ///   dq, dk <- apply_rope_inverse(dq), apply_rope_inverse(dk)         (if configured; rope.hpp)
 ///   dW_Q += dq^T x_q, dW_K += dk^T x_kv, dW_V += dv^T x_kv,  db_* += column sums of dq, dk, dv
 ///   dx_q = dq W_Q,   dx_kv = dk W_K + dv W_V                          (self-attention: dx = both)
@@ -58,13 +63,22 @@ struct MhaConfig {
   bool qkv_bias = true;            ///< biases b_Q, b_K, b_V (PyTorch `bias=True`; Llama: false)
   bool out_bias = true;            ///< bias b_O
   std::optional<RopeConfig> rope;  ///< RoPE on q and k after their projections (none by default)
+  /// Learned attention sinks: a float32 weight sinks() [Hq] (the logits z_h, zero at construction;
+  /// gpt-oss's `sinks`), passed as AttentionParams::sinks to every call, with its gradient in
+  /// MhaGrads::sinks().
+  bool sinks = false;
+  /// ALiBi: AttentionParams::alibi_slopes = alibi_slopes(Hq) (BLOOM's standard slopes), fixed, no
+  /// gradient; the distance |i + offset - j| is aligned as the call's causal diagonal.
+  bool alibi = false;
 };
 
 /// Per-call options of MultiHeadAttention::forward() and backward().
 struct MhaOptions {
   /// Passed to qkv::attention(): causal, window, align, scale (default 1/sqrt(D), as PyTorch),
   /// softcap, mask (bool true = attend, or additive; broadcastable to [B,Hq,Sq,Sk]; see
-  /// mask_from_torch() for PyTorch's opposite polarity), kv_lens [B], kernel, num_threads.
+  /// mask_from_torch() for PyTorch's opposite polarity), kv_lens [B], window_keep_first, kernel,
+  /// num_threads; sinks and alibi_slopes too when the layer has none of its own (a layer
+  /// configured with sinks or alibi refuses them here: they would be ambiguous).
   AttentionParams attention;
   /// RoPE positions of the queries and keys: S entries, or B*S ([B,S] row-major). Empty means
   /// 0 .. S-1. For self-attention the keys take the query positions unless k_positions is set.
@@ -100,9 +114,17 @@ class MultiHeadAttention {
   TensorView b_k() const;  ///< [Hkv*D]
   TensorView b_v() const;  ///< [Hkv*Dv]
   TensorView b_o() const;  ///< [d_model]
+  TensorView sinks() const;  ///< [Hq], the attention-sink logits (empty view when config().sinks is false)
+  /// BLOOM's ALiBi slopes [Hq] the layer passes (empty view when config().alibi is false); read only.
+  TensorView alibi_slopes() const { return alibi_.view(); }
   /// The packed input projection [Hq*D + Hkv*D + Hkv*Dv, d_model] (rows: W_Q, W_K, W_V) and its bias.
   TensorView in_proj_weight() const { return w_in_.view(); }
   TensorView in_proj_bias() const;
+
+  /// The AttentionParams of the layer's attention call: options.attention with the layer's sinks
+  /// and ALiBi slopes (views of the layer: valid while it lives).
+  /// @throws qkv::Error for options.attention.sinks (alibi_slopes) given to a layer with its own.
+  AttentionParams attention_params(const MhaOptions& options) const;
 
   /// Copies weights from named tensors (any float dtype, converted to float32). Accepted names,
   /// each after `prefix` (e.g. "self_attn." or "layers.0.attention."):
@@ -112,8 +134,9 @@ class MultiHeadAttention {
   ///   separate (Hugging Face):  q_proj.weight, k_proj.weight, v_proj.weight, o_proj.weight
   ///                             (and .bias); out_proj.weight/.bias also accepted for W_O
   ///   separate (Meta Llama):    wq.weight, wk.weight, wv.weight, wo.weight
-  /// Every weight the config needs must be present with its exact shape; a bias present in the
-  /// file but disabled in the config is an error (it would be silently dropped).
+  ///   attention sinks (gpt-oss):              sinks [Hq]   (only with config().sinks)
+  /// Every weight the config needs must be present with its exact shape; a bias or sinks present
+  /// in the file but disabled in the config is an error (it would be silently dropped).
   /// @throws qkv::Error naming the missing or mis-shaped tensor and the expected shape.
   void load_weights(const std::map<std::string, Tensor>& tensors, const std::string& prefix = "");
 
@@ -148,7 +171,9 @@ class MultiHeadAttention {
   /// @param options the forward's options: attention params (causal, window, align, scale, softcap,
   ///               mask, kv_lens, kernel, num_threads; the backward runs qkv::attention and
   ///               qkv::attention_backward with them) and RoPE positions. probs and
-  ///               average_heads are ignored (nothing is written there).
+  ///               average_heads are ignored (nothing is written there). With config().sinks
+  ///               the sinks' gradient is accumulated into grads.sinks(); sinks given in the
+  ///               options instead get none.
   /// All activations: a contiguous last dimension, other strides free (as forward()).
   /// @throws qkv::Error naming the argument (x, dy, dx, grads): wrong rank, shape or dtype
   ///         (dy and dx must be [B,S,d_model] with x's B and S), grads of another shape of layer,
@@ -166,7 +191,7 @@ class MultiHeadAttention {
 
  private:
   MhaConfig cfg_;
-  Tensor w_in_, b_in_, w_o_, b_o_;
+  Tensor w_in_, b_in_, w_o_, b_o_, sinks_, alibi_;
 };
 
 /// Gradients of a MultiHeadAttention layer's weights: float32, stored and viewed exactly as the
@@ -195,14 +220,16 @@ class MhaGrads {
   TensorView b_o() const;  ///< [d_model]
   TensorView in_proj_weight() const { return w_in_.view(); }  ///< [Hq*D + Hkv*D + Hkv*Dv, d_model]
   TensorView in_proj_bias() const;                           ///< [Hq*D + Hkv*D + Hkv*Dv]
+  TensorView sinks() const;  ///< [Hq] (empty view when the layer has no sinks)
 
  private:
   MhaConfig cfg_;
-  Tensor w_in_, b_in_, w_o_, b_o_;
+  Tensor w_in_, b_in_, w_o_, b_o_, sinks_;
 };
 
 /// Infers a config from named tensors (names as load_weights()): d_model, head_dim and
-/// head_dim_v from the shapes, the bias flags from which biases are present.
+/// head_dim_v from the shapes, the bias flags from which biases are present, sinks from a
+/// `sinks` tensor (alibi stays false: ALiBi has no weight).
 /// @param num_heads     Hq (cannot be inferred from the shapes), >= 1
 /// @param num_kv_heads  Hkv, 0 = Hq
 /// @throws qkv::Error if no accepted weight names are found or the shapes are inconsistent.

@@ -5,7 +5,7 @@
     out = qkv.attention(q, k, v, causal=True)
 
 Functions on arrays (NumPy arrays or PyTorch CPU tensors, zero-copy):
-    attention, attention_backward, explain_dispatch, explain
+    attention, attention_backward, explain_dispatch, explain; alibi_slopes (BLOOM's ALiBi slopes)
 Layers: MultiHeadAttention (loads a torch.nn.MultiheadAttention state_dict), KVCache
 PyTorch (imported on first use): qkv.torch.scaled_dot_product_attention, qkv.flash_attn_func,
     the custom operators torch.ops.qkv.attention and torch.ops.qkv.attention_backward.
@@ -14,10 +14,10 @@ Benchmark: python -m qkv.bench.  Documentation: docs/python.md.
 from . import _qkv
 from ._explain import explain
 from ._layers import KVCache, MultiHeadAttention
-from ._ops import attention, attention_backward, explain_dispatch
+from ._ops import alibi_slopes, attention, attention_backward, explain_dispatch
 
 __version__ = _qkv.__version__
-__all__ = ["attention", "attention_backward", "explain_dispatch", "explain", "KVCache", "MultiHeadAttention",
+__all__ = ["attention", "attention_backward", "explain_dispatch", "explain", "alibi_slopes", "KVCache", "MultiHeadAttention",
            "flash_attn_func", "torch"]
 
 

@@ -46,21 +46,23 @@ class KVCache:
 
     @_options.keyword_only
     def attend(self, q, *positional, causal=False, window=WINDOW, scale=None, softcap=SOFTCAP, mask=None,
-               layout=LAYOUT, return_lse=False, num_threads=None, **unknown):
+               sinks=None, alibi_slopes=None, keep_first=0, layout=LAYOUT, return_lse=False, num_threads=None,
+               **unknown):
         """Attention of q [B, Hq, Sq, D] (or BSHD) over the cache; out in q's framework and dtype.
-        Options as qkv.attention (bottom-right aligned); TypeError / ValueError as qkv.attention."""
+        Options as qkv.attention (bottom-right aligned; sinks and alibi_slopes get no gradient
+        here); TypeError / ValueError as qkv.attention."""
         if positional or unknown:
             _options.misuse(KVCache.attend, positional, unknown)
         fw = _ops._framework("q", q)
         _ops._check_float("q", q, fw)
         opts = _options.options(_options.values(scale, causal, ALIGN, window, softcap, layout,
-                                                num_threads=num_threads))
+                                                num_threads=num_threads, keep_first=keep_first))
         _ops._check_rank4("q", q, "[B,S,H,D]" if opts.bshd else "[B,H,S,D]")
         B, Sq, Hq = (q.shape[0], q.shape[1], q.shape[2]) if opts.bshd else (q.shape[0], q.shape[2], q.shape[1])
         Dv = self._c.head_dim_v
         out = _ops._empty(fw, q, (B, Sq, Hq, Dv) if opts.bshd else (B, Hq, Sq, Dv))
         lse = _ops._empty(fw, q, (B, Hq, Sq), _ops._lse_dtype(fw, q)) if return_lse else None
-        self._c._attend(q, out, lse, _ops.arrays(fw, mask, None), opts)
+        self._c._attend(q, out, lse, _ops.arrays(fw, mask, None, sinks, alibi_slopes), opts)
         return (out, lse) if return_lse else out
 
     def clear(self):
@@ -71,7 +73,8 @@ class KVCache:
 
 
 class MultiHeadAttention:
-    """Multi-head attention (Vaswani et al. 2017, sec. 3.2.2) with GQA and optional RoPE.
+    """Multi-head attention (Vaswani et al. 2017, sec. 3.2.2) with GQA, optional RoPE, learned
+    attention sinks and ALiBi.
 
     y = (attention(x W_Q^T + b_Q, x W_K^T + b_K, x W_V^T + b_V) W_O^T + b_O), float32,
     x [B, S, d_model] (batch first). Weights use PyTorch's layout; load_state_dict() takes a
@@ -80,14 +83,17 @@ class MultiHeadAttention:
 
     Args: d_model, num_heads; num_kv_heads (0 = num_heads), head_dim (0 = d_model/num_heads),
       head_dim_v (0 = head_dim), bias (qkv and output biases), rope (None, "interleaved" or
-      "half"), rope_theta, rotary_dim (0 = head_dim).
+      "half"), rope_theta, rotary_dim (0 = head_dim); sinks: a learned attention-sink logit per
+      head (gpt-oss; the weight `sinks` [num_heads], zero until loaded); alibi: ALiBi biases with
+      BLOOM's slopes (qkv.alibi_slopes(num_heads)), aligned as the call's causal diagonal.
     Raises ValueError for inconsistent sizes, and on load for missing or mis-shaped weights.
     """
 
     def __init__(self, d_model, num_heads, *, num_kv_heads=0, head_dim=0, head_dim_v=0, bias=True, rope=None,
-                 rope_theta=10000.0, rotary_dim=0):
+                 rope_theta=10000.0, rotary_dim=0, sinks=False, alibi=False):
+        sinks, alibi = _options._flag("sinks", sinks), _options._flag("alibi", alibi)
         self._m = _qkv._MultiHeadAttention(d_model, num_heads, num_kv_heads, head_dim, head_dim_v, bias, bias, rope,
-                                           rope_theta, rotary_dim)
+                                           rope_theta, rotary_dim, sinks, alibi)
 
     @classmethod
     def from_torch(cls, module):
@@ -123,11 +129,11 @@ class MultiHeadAttention:
         self._m.load_weights(arrays, prefix)
 
     def weights(self):
-        """The weights as float32 NumPy arrays: w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o (None if absent)."""
+        """The weights as float32 NumPy arrays: w_q, w_k, w_v, w_o, b_q, b_k, b_v, b_o, sinks (None if absent)."""
         return self._m.weights()
 
     @_options.keyword_only
-    def __call__(self, x, x_kv=None, *positional, cache=None, causal=False, window=WINDOW, scale=None,
+    def __call__(self, x, x_kv=None, *positional, cache=None, causal=False, window=WINDOW, keep_first=0, scale=None,
                  softcap=SOFTCAP, mask=None, num_threads=None, **unknown):
         """y [B, S, d_model] for x [B, S, d_model] (float32, NumPy or PyTorch).
 
@@ -143,7 +149,7 @@ class MultiHeadAttention:
             raise ValueError(f"x: expected rank 3 [B,S,d_model], got rank {x.ndim} {list(x.shape)}")
         y = _ops._empty(fw, x, tuple(x.shape))
         opts = _options.options(_options.values(scale, causal, window=window, softcap=softcap,
-                                                num_threads=num_threads))
+                                                num_threads=num_threads, keep_first=keep_first))
         if cache is not None:
             if mask is not None or x_kv is not None:
                 raise ValueError("cache: a cached call takes neither mask nor x_kv")

@@ -155,13 +155,47 @@ def _ranks(q, k, v, layout):
             _check_rank4(name, x, "[B,S,H,D]" if layout == "bshd" else "[B,H,S,D]")
 
 
-def arrays(fw, mask, kv_lens, names=None, differentiable=False):
+# The position of the attention sinks in the arrays tuple: the one array option with a gradient.
+SINKS = [name for name, _ in _options.ARRAY_OPTIONS].index("sinks")
+
+
+def _sinks(x, fw, differentiable):
+    """The attention sinks [Hq]: q's framework, float32 (the library's dtype for them, whatever q's);
+    float16 / bfloat16 (a model's dtype) are widened to float32 exactly (a copy of Hq numbers),
+    float64 is refused rather than rounded. Where the call is differentiable a tensor that requires
+    grad is kept (autograd gives it its gradient, through the widening too), else detached."""
+    if x is None:
+        return None
+    xfw = _framework("sinks", x)
+    if xfw != fw:
+        raise TypeError(f"sinks: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
+    expected = "sinks: expected dtype float32 (float16 and bfloat16 are widened exactly; float64 is not rounded " \
+               "behind your back: pass float32 sinks)"
+    if fw == "numpy":
+        if x.dtype == np.float16:
+            return x.astype(np.float32)
+        if x.dtype != np.float32:
+            raise TypeError(f"{expected}, got {x.dtype}")
+        return x
+    torch = _torch()
+    if not (differentiable and x.requires_grad and torch.is_grad_enabled()):
+        x = _detach(x)
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.float()
+    if x.dtype != torch.float32:
+        raise TypeError(f"{expected}, got {x.dtype}")
+    return x
+
+
+def arrays(fw, mask=None, kv_lens=None, sinks=None, alibi_slopes=None, names=None, differentiable=False):
     """The array options as the tuple the C++ entry points take (_options.ARRAY_OPTIONS' order), each
-    checked by _aux; differentiable: the call computes gradients, so a mask that requires grad is
-    refused rather than silently given none."""
-    if mask is None and kv_lens is None:
+    checked by _aux (the sinks by _sinks); differentiable: the call computes gradients, so a mask
+    or ALiBi slopes that require grad are refused rather than silently given none, and sinks that
+    require grad are kept for their gradient."""
+    if mask is None and kv_lens is None and sinks is None and alibi_slopes is None:
         return NO_ARRAYS
-    return (_aux(_options._named(names, "mask"), mask, fw, refuse_grad=differentiable), _aux("kv_lens", kv_lens, fw))
+    return (_aux(_options._named(names, "mask"), mask, fw, refuse_grad=differentiable), _aux("kv_lens", kv_lens, fw),
+            _sinks(sinks, fw, differentiable), _aux("alibi_slopes", alibi_slopes, fw, refuse_grad=differentiable))
 
 
 def _forward(q, k, v, fw, arrays, opts, want_lse, want_probs):
@@ -197,8 +231,9 @@ def _run(q, k, v, fw, arrays, key, want_lse, want_probs):
     everything else the C++ forward directly."""
     if fw == "torch":
         fns = _TORCH or _torch_objs()
-        if (fns["is_grad_enabled"]() and (q.requires_grad or k.requires_grad or v.requires_grad)) or \
-                fns["is_compiling"]():
+        sinks = arrays[SINKS]
+        if (fns["is_grad_enabled"]() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                          (sinks is not None and sinks.requires_grad))) or fns["is_compiling"]():
             if want_probs:
                 raise ValueError("return_probs: the attention weights are not differentiable; "
                                  "call with return_probs=True under torch.no_grad()")
@@ -241,16 +276,22 @@ def _grad_dtype(fw, q, dt):
 
 
 def _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays, opts, grad_dtype=None):
-    """Runs the C++ backward on checked inputs; returns (dq, dk, dv) in grad_dtype (None: q's)."""
+    """Runs the C++ backward on checked inputs; returns (dq, dk, dv) in grad_dtype (None: q's), and
+    with sinks among the arrays (dq, dk, dv, dsinks), dsinks float32 [Hq]."""
     dq, dk, dv = (_empty(fw, q, x.shape, grad_dtype) for x in (q, k, v))
-    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq, dk, dv, arrays, opts)
-    return dq, dk, dv
+    if arrays[SINKS] is None:
+        _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq, dk, dv, arrays, opts)
+        return dq, dk, dv
+    Hq = q.shape[2] if opts.bshd and q.ndim == 4 else q.shape[1]
+    dsinks = _empty(fw, q, (Hq,), np.float32 if fw == "numpy" else _torch().float32)
+    _qkv._attention_backward(q, k, v, out, softmax_lse, grad_out, dq, dk, dv, arrays, opts, dsinks)
+    return dq, dk, dv, dsinks
 
 
 @keyword_only
 def attention(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP,
-              mask=None, kv_lens=None, layout=LAYOUT, return_lse=False, return_probs=False, kernel=KERNEL,
-              num_threads=None, **unknown):
+              mask=None, kv_lens=None, sinks=None, alibi_slopes=None, keep_first=0, layout=LAYOUT, return_lse=False,
+              return_probs=False, kernel=KERNEL, num_threads=None, **unknown):
     """Scaled dot-product attention, O = softmax(mask(softcap(scale * Q K^T))) V, per head.
 
     Source: Vaswani et al. 2017, "Attention Is All You Need", sec. 3.2.1; the tiled kernel is
@@ -270,6 +311,16 @@ def attention(q, k, v, *positional, scale=None, causal=False, align=ALIGN, windo
       softcap: if > 0, score = softcap * tanh(score / softcap) (Gemma 2).
       mask: broadcastable to [B, Hq, Sq, Sk]: bool (True = attend) or float32/float64 (added).
       kv_lens: int32/int64 [B]: keys j >= kv_lens[b] are excluded.
+      sinks: float32 [Hq] attention-sink logits z_h (gpt-oss; float16/bfloat16 widened exactly),
+        whatever q's dtype: each row's softmax gets one more term exp(z_h) that carries no value,
+        p_ij = exp(s_ij) / (exp(z_h) + sum_j exp(s_ij)); softmax_lse includes it; a row with no
+        admissible key gives out = 0 and softmax_lse = z_h. Differentiable (PyTorch).
+      alibi_slopes: float32 [Hq] or [B, Hq] (Press et al. 2022, ALiBi; qkv.alibi_slopes gives
+        BLOOM's): adds -slope * |i + offset - j| to the score after scale and softcap, before the
+        masks; offset is the diagonal's (align). No gradient.
+      keep_first: an integer >= 0: keys 0 .. keep_first-1 are admissible to every query besides its
+        window (StreamingLLM's attention sinks, Xiao et al. 2023): it extends the window's left
+        side only; causal, window's right side, kv_lens and mask still exclude.
       layout: "bhsd" or "bshd" (of q, k, v and out).
       return_lse: also return softmax_lse [B, Hq, Sq] (natural log; float32, float64 for float64 q).
       return_probs: also return the attention weights [B, Hq, Sq, Sk] (float32/float64).
@@ -289,17 +340,20 @@ def attention(q, k, v, *positional, scale=None, causal=False, align=ALIGN, windo
         softcap not a real number, causal not a bool, num_threads not an integer.
       ValueError: with the C++ message (argument, expected, actual): a tensor not on the CPU, a
         rank other than 4, a non-contiguous last dimension, mismatched shapes, a bad mask or
-        kv_lens shape, a window that is not a pair of integers, a bad option value.
-      NotImplementedError: a mask that requires grad, with grad enabled (qkv computes no mask
-        gradient).
+        kv_lens shape, sinks or alibi_slopes of the wrong shape or dtype, a window that is not a
+        pair of integers, keep_first < 0, a bad option value; a kernel forced onto an option it
+        does not implement.
+      NotImplementedError: a mask or alibi_slopes that requires grad, with grad enabled (qkv
+        computes no gradient for them).
     """
     if positional or unknown:
         misuse(attention, positional, unknown)
     fw = _tensors(q, k, v)
-    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
+    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads, keep_first)
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         _ranks(q, k, v, layout)
-    arr = NO_ARRAYS if mask is None and kv_lens is None else arrays(fw, mask, kv_lens, differentiable=True)
+    arr = NO_ARRAYS if mask is None and kv_lens is None and sinks is None and alibi_slopes is None else \
+        arrays(fw, mask, kv_lens, sinks, alibi_slopes, differentiable=True)
     if fw == "numpy":  # never differentiable: straight to the C++ call
         out, lse, probs = _forward(q, k, v, fw, arr, KEPT.get(key) or _options.options(key), return_lse, return_probs)
     else:
@@ -311,13 +365,17 @@ def attention(q, k, v, *positional, scale=None, causal=False, align=ALIGN, windo
 
 @keyword_only
 def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=None, causal=False,
-                       align=ALIGN, window=WINDOW, softcap=SOFTCAP, mask=None, kv_lens=None, layout=LAYOUT,
-                       grad_dtype=None, kernel=KERNEL, num_threads=None, **unknown):
-    """The gradients (dq, dk, dv) of a loss L given grad_out = dL/dout (FlashAttention-2 backward).
+                       align=ALIGN, window=WINDOW, softcap=SOFTCAP, mask=None, kv_lens=None, sinks=None,
+                       alibi_slopes=None, keep_first=0, layout=LAYOUT, grad_dtype=None, kernel=KERNEL,
+                       num_threads=None, **unknown):
+    """The gradients (dq, dk, dv) of a loss L given grad_out = dL/dout (FlashAttention-2 backward),
+    and with sinks also dsinks.
 
     Source: Dao 2023, "FlashAttention-2", Algorithm 2, with P recomputed from softmax_lse:
     dV = P^T dO; dP = dO V^T; D = rowsum(dO * O); dS = P * (dP - D) (softcap: times
-    1 - tanh^2); dQ = scale dS K; dK = scale dS^T Q; GQA sums dK, dV over each group.
+    1 - tanh^2); dQ = scale dS K; dK = scale dS^T Q; GQA sums dK, dV over each group. The sink
+    z_h is one more logit of each row's softmax carrying no value, so its weight p_sink = exp(z_h -
+    lse) gets dz_h = -sum over the rows of head h (all batches) of p_sink * D.
 
     Args: q, k, v and every option as attention() (the same values as the forward call);
       out: the forward's output (layout of q); softmax_lse: its [B, Hq, Sq] softmax_lse
@@ -325,8 +383,9 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=N
       grad_dtype: dtype of the gradients: None (q's), float32 or float64, as a dtype of q's
         framework or its name ("float64").
 
-    Returns: (dq, dk, dv) with the shapes and layout of q, k, v, in q's framework. Deterministic:
-      bitwise the same for every num_threads and run.
+    Returns: (dq, dk, dv) with the shapes and layout of q, k, v, in q's framework; with sinks given
+      the 4-tuple (dq, dk, dv, dsinks), dsinks float32 [Hq] (summed over batch and rows). The ALiBi
+      slopes get no gradient. Deterministic: bitwise the same for every num_threads and run.
 
     Raises: TypeError / ValueError as attention(), and ValueError for out, softmax_lse or
       grad_out of the wrong shape, kernel="decode", or kernel="flash" with float64 inputs;
@@ -336,19 +395,19 @@ def attention_backward(q, k, v, out, softmax_lse, grad_out, *positional, scale=N
     if positional or unknown:
         misuse(attention_backward, positional, unknown)
     fw = _tensors(q, k, v)
-    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
+    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads, keep_first)
     _ranks(q, k, v, layout)
     for name, x in (("out", out), ("softmax_lse", softmax_lse), ("grad_out", grad_out)):
         if _framework(name, x) != fw:
             raise TypeError(f"{name}: expected a {'numpy.ndarray' if fw == 'numpy' else 'torch.Tensor'} like q")
-    return _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays(fw, mask, kv_lens),
+    return _backward(q, k, v, out, softmax_lse, grad_out, fw, arrays(fw, mask, kv_lens, sinks, alibi_slopes),
                      KEPT.get(key) or _options.options(key), _grad_dtype(fw, q, grad_dtype))
 
 
 @keyword_only
 def explain_dispatch(q, k, v, *positional, scale=None, causal=False, align=ALIGN, window=WINDOW,
-                     softcap=SOFTCAP, mask=None, kv_lens=None, layout=LAYOUT, kernel=KERNEL, num_threads=None,
-                     backward=False, **unknown):
+                     softcap=SOFTCAP, mask=None, kv_lens=None, sinks=None, alibi_slopes=None, keep_first=0,
+                     layout=LAYOUT, kernel=KERNEL, num_threads=None, backward=False, **unknown):
     """Which kernel attention() runs for these arguments and why the others refuse (one line each).
 
     With backward=True, the same for attention_backward() of these arguments (the gradients in q's
@@ -358,16 +417,35 @@ def explain_dispatch(q, k, v, *positional, scale=None, causal=False, align=ALIGN
     if positional or unknown:
         misuse(explain_dispatch, positional, unknown)
     fw = _tensors(q, k, v)
-    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads)
+    key = values(scale, causal, align, window, softcap, layout, kernel, num_threads, keep_first)
     _ranks(q, k, v, layout)
     backward = _options._flag("backward", backward)
+    arr = arrays(fw, mask, kv_lens, sinks, alibi_slopes)
     qs = q.shape
     out = _empty(fw, q, (qs[0], qs[1], qs[2], v.shape[3]))
     opts = KEPT.get(key) or _options.options(key)
     if not backward:
-        return _qkv._explain_dispatch(q, k, v, out, arrays(fw, mask, kv_lens), opts)
+        return _qkv._explain_dispatch(q, k, v, out, arr, opts)
     B, Hq, Sq = (qs[0], qs[2], qs[1]) if layout == "bshd" else (qs[0], qs[1], qs[2])
     lse = _empty(fw, q, (B, Hq, Sq), _lse_dtype(fw, q))
     grads = (_empty(fw, q, tuple(q.shape)), _empty(fw, q, tuple(k.shape)), _empty(fw, q, tuple(v.shape)))
-    return _qkv._explain_dispatch_backward(q, k, v, out, lse, out, *grads,
-                                           arrays(fw, mask, kv_lens), opts)
+    dsinks = None if sinks is None else _empty(fw, q, (Hq,), np.float32 if fw == "numpy" else _torch().float32)
+    return _qkv._explain_dispatch_backward(q, k, v, out, lse, out, *grads, arr, opts, dsinks)
+
+
+def alibi_slopes(num_heads):
+    """BLOOM's standard ALiBi slopes of num_heads heads, a float32 NumPy array [num_heads].
+
+    Source: Press et al. 2022, "Train Short, Test Long" (ALiBi), sec. 3: for n heads, a power of
+    two, slope_h = 2^(-8 h / n), h = 1..n; otherwise the slopes of the next lower power of two,
+    followed by every other slope of twice that many (BLOOM's build_alibi_tensor). The C++
+    qkv::alibi_slopes computes them. Pass them (or any slopes) as alibi_slopes= (wrap in
+    torch.from_numpy for PyTorch calls).
+
+    Raises: TypeError for a num_heads that is not an integer; ValueError for num_heads < 0 (0 gives
+      no slope).
+    """
+    n = _options._integer("num_heads", num_heads, "an integer >= 0")
+    if n < 0:
+        raise ValueError(f"num_heads: expected an integer >= 0, got {n}")
+    return np.asarray(_qkv._alibi_slopes(n), dtype=np.float32)

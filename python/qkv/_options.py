@@ -8,11 +8,11 @@ in one spelling), which `options()` turns into a `qkv._qkv.Options`, converted t
 recent values are kept, so a call with the options of an earlier call passes an existing object.
 
 Adding an option:
-  - a scalar (keep_first; dropout's p, seed and offset): a row of FIELDS, its check in values(), the
+  - a scalar (as keep_first; dropout's p, seed and offset would be): a row of FIELDS, its check in values(), the
     keyword of the public functions that take it; in the extension the field of `Options`
     (python/src/options.hpp), its constructor argument and property, and its line in `params_of`.
     The custom operators (qkv/torch.py) take it as one more keyword-only argument with its default.
-  - an array (attention sinks, ALiBi slopes): a row of ARRAY_OPTIONS (whether it gets a gradient)
+  - an array (as the attention sinks and ALiBi slopes): a row of ARRAY_OPTIONS (whether it gets a gradient)
     and of `kArrayOptions` (python/src/options.hpp), its check where the arrays tuple is made
     (qkv/_ops.py, arrays()), and the keyword. The custom operators take it as one more optional
     tensor after the existing ones; their autograd formula returns its gradient (the backward
@@ -42,12 +42,13 @@ FIELDS = (
     ("layout", "str", LAYOUT),
     ("kernel_name", "str", KERNEL),  # the keyword `kernel` (a name inductor's fallback calls cannot take)
     ("num_threads", "int", 0),
+    ("keep_first", "int", 0),  # StreamingLLM's sink keys 0 .. keep_first-1 (window_keep_first)
 )
 NAMES = tuple(name for name, _, _ in FIELDS)
 
 # (name, whether it gets a gradient) of each array option, in the order of the `arrays` tuple
 # that every C++ entry point takes.
-ARRAY_OPTIONS = (("mask", False), ("kv_lens", False))
+ARRAY_OPTIONS = (("mask", False), ("kv_lens", False), ("sinks", True), ("alibi_slopes", False))
 if tuple(name for name, _ in ARRAY_OPTIONS) != _qkv.ARRAY_OPTIONS:
     raise ImportError(f"qkv._qkv takes the arrays {_qkv.ARRAY_OPTIONS}, qkv._options names "
                       f"{tuple(name for name, _ in ARRAY_OPTIONS)}: the extension and the package differ")
@@ -63,7 +64,7 @@ _CHOICES = {  # an option taking one of a few strings: accepted spellings -> its
 
 
 def values(scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP, layout=LAYOUT, kernel=KERNEL,
-           num_threads=None, names=None):
+           num_threads=None, keep_first=0, names=None):
     """The options of one call, checked, as the tuple of FIELDS' values (each of its field's exact
     type; align in one spelling): the key of options(), and the custom operators' keyword
     arguments as dict(zip(NAMES, key)). Pure Python, so torch.compile traces it.
@@ -72,10 +73,10 @@ def values(scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP
       {"causal": "is_causal"} for scaled_dot_product_attention), for the error messages.
     Raises:
       TypeError naming the option: scale or softcap not a real number (a 0-d array or tensor of a
-        real dtype is one), causal not a bool (or 0/1), num_threads not an integer or None, align,
-        layout or kernel not a str.
+        real dtype is one), causal not a bool (or 0/1), num_threads not an integer or None,
+        keep_first not an integer, align, layout or kernel not a str.
       ValueError naming the option: window not a pair of integers (1.7 is refused, not truncated),
-        an unknown align, layout or kernel.
+        an unknown align, layout or kernel, keep_first < 0.
     """
     # The defaults (the objects of the signatures) and the common types pass with a comparison
     # each; the helpers below convert or refuse the rest.
@@ -101,7 +102,12 @@ def values(scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP
         num_threads = 0
     elif type(num_threads) is not int:
         num_threads = _integer(_named(names, "num_threads"), num_threads)
-    return (scale, softcap, causal, align, wl, wr, layout, kernel, num_threads)
+    if type(keep_first) is not int:
+        keep_first = _integer(_named(names, "keep_first"), keep_first, "an integer >= 0")
+    if keep_first < 0:
+        raise ValueError(f"{_named(names, 'keep_first')}: expected an integer >= 0 (the number of leading keys every "
+                         f"query sees besides its window), got {keep_first}")
+    return (scale, softcap, causal, align, wl, wr, layout, kernel, num_threads, keep_first)
 
 
 # The Options of recent keys. Keys are values() results, whose exact types keep 1, 1.0 and True
@@ -155,14 +161,14 @@ def _flag(name, x):
     raise TypeError(f"{name}: expected a bool, got {type(x).__name__} {x!r}")
 
 
-def _integer(name, x):
-    """An integer option (num_threads): an integer of any kind (not a bool, not a float)."""
+def _integer(name, x, expected="an integer or None"):
+    """An integer option (num_threads, keep_first): an integer of any kind (not a bool, not a float)."""
     if not isinstance(x, (bool, np.bool_)):
         try:
             return operator.index(x)
         except TypeError:
             pass
-    raise TypeError(f"{name}: expected an integer or None, got {type(x).__name__} {x!r}")
+    raise TypeError(f"{name}: expected {expected}, got {type(x).__name__} {x!r}")
 
 
 def _window(name, window):

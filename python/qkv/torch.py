@@ -50,11 +50,12 @@ def _padded(arrays):
     return arrays + (None,) * (len(_ARRAY_NAMES) - len(arrays))
 
 
-def _input_grads(grads):
+def _input_grads(grads, arrays):
     """The gradients of the tensor arguments, from the backward's (dq, dk, dv, then one per array
-    option that gets a gradient): None for the others."""
+    option that gets a gradient, where that array was given): None for the others."""
     rest = iter(grads[3:])
-    return (*grads[:3], *(next(rest) if grad else None for _, grad in ARRAY_OPTIONS))
+    return (*grads[:3], *(next(rest, None) if grad and x is not None else None
+                          for (_, grad), x in zip(ARRAY_OPTIONS, _padded(tuple(arrays)))))
 
 
 _KERNEL = NAMES.index("kernel_name")
@@ -88,10 +89,16 @@ def _attention_fake(q, k, v, *arrays, **kwargs):
     return out, lse
 
 
+def _no_dsinks(q):
+    # the backward operator's dsinks output where no sinks are given: an empty float32 tensor
+    return q.new_empty((0,), dtype=torch.float32)
+
+
 def _attention_backward_impl(grad_out, q, k, v, out, softmax_lse, *arrays, **kwargs):
     key = _key(kwargs)
-    return _ops._backward(q, k, v, out, softmax_lse, grad_out, "torch", _padded(arrays),
-                          KEPT.get(key) or _options.options(key))
+    grads = _ops._backward(q, k, v, out, softmax_lse, grad_out, "torch", _padded(arrays),
+                           KEPT.get(key) or _options.options(key))
+    return grads if len(grads) == 4 else (*grads, _no_dsinks(q))
 
 
 _attention_backward_op = torch.library.custom_op("qkv::attention_backward", _attention_backward_impl, mutates_args=(),
@@ -100,7 +107,9 @@ _attention_backward_op = torch.library.custom_op("qkv::attention_backward", _att
 
 @_attention_backward_op.register_fake
 def _attention_backward_fake(grad_out, q, k, v, out, softmax_lse, *arrays, **kwargs):
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    sinks = _padded(arrays)[_ops.SINKS]
+    dsinks = _no_dsinks(q) if sinks is None else sinks.new_empty(sinks.shape, dtype=torch.float32)
+    return (*(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v)), dsinks)
 
 
 def _contiguous_rows(grad_out):
@@ -117,7 +126,8 @@ def _backward(ctx, grad_out, grad_lse):
     # softmax_lse is returned for inspection (as FlashAttention's); its gradient is not propagated.
     q, k, v, *arrays, out, lse = ctx.saved_tensors
     fields = dict(zip(NAMES, _backward_key(_key(ctx.fields))))
-    return _input_grads(_attention_backward_op(_contiguous_rows(grad_out), q, k, v, out, lse, *arrays, **fields))
+    return _input_grads(_attention_backward_op(_contiguous_rows(grad_out), q, k, v, out, lse, *arrays, **fields),
+                        arrays)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -143,7 +153,7 @@ class _Attention(torch.autograd.Function):
         key = _backward_key(ctx.key)
         grads = _ops._backward(q, k, v, out, lse, _contiguous_rows(grad_out), "torch", tuple(arrays),
                                KEPT.get(key) or _options.options(key))
-        return (*_input_grads(grads), None)  # None: the options key
+        return (*_input_grads(grads, arrays)[:3 + len(arrays)], None)  # None: the options key
 
 
 def _differentiable(q, k, v, arrays, key):
@@ -160,14 +170,14 @@ _ops._differentiable = _differentiable
 
 
 def _call(q, k, v, names, mask=None, scale=None, causal=False, align=ALIGN, window=WINDOW, softcap=SOFTCAP,
-          layout=LAYOUT):
+          layout=LAYOUT, sinks=None, alibi_slopes=None, keep_first=0):
     """(out, softmax_lse) of the drop-in functions' arguments (names: their names of the options)."""
     if _ops._tensors(q, k, v) != "torch":
         raise TypeError(f"q: expected a torch.Tensor, got {type(q).__module__}.{type(q).__name__}")
-    key = _options.values(scale, causal, align, window, softcap, layout, names=names)
+    key = _options.values(scale, causal, align, window, softcap, layout, keep_first=keep_first, names=names)
     _ops._ranks(q, k, v, layout)
-    out, lse, _ = _ops._run(q, k, v, "torch", _ops.arrays("torch", mask, None, names, differentiable=True), key,
-                            True, False)
+    arrays = _ops.arrays("torch", mask, None, sinks, alibi_slopes, names=names, differentiable=True)
+    out, lse, _ = _ops._run(q, k, v, "torch", arrays, key, True, False)
     return out, lse
 
 
@@ -177,7 +187,7 @@ _FLASH_NAMES = {"scale": "softmax_scale", "window": "window_size"}
 
 @_options.keyword_only
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, **unknown):
+                                 enable_gqa=False, *, sinks=None, alibi_slopes=None, **unknown):
     """torch.nn.functional.scaled_dot_product_attention on qkv's kernels (forward and backward).
 
     Semantics are PyTorch's: query [B, Hq, L, E], key [B, Hkv, S, E], value [B, Hkv, S, Ev]
@@ -188,8 +198,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dtype, bfloat16 or float16 (as PyTorch allows), is converted to float32, exactly: a copy of
     the mask's size, never of q, k or v.
 
-    Raises: NotImplementedError for dropout_p > 0 and for an attn_mask that requires grad (qkv
-    computes no mask gradient); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
+    qkv's extensions, keyword-only (qkv.attention's options of the same names): sinks, [Hq]
+    attention-sink logits (gpt-oss; differentiable), and alibi_slopes, [Hq] or [B, Hq] float32
+    ALiBi slopes (no gradient), whose |i - j| distance is top-left aligned like is_causal (query
+    i sits at key i). SDPA has no sliding window, so keep_first has no place here.
+
+    Raises: NotImplementedError for dropout_p > 0 and for an attn_mask or alibi_slopes that
+    requires grad (qkv computes no gradient for them); ValueError for is_causal with attn_mask (as PyTorch), Hq != Hkv
     without enable_gqa, and everything qkv.attention refuses; TypeError for an enable_gqa that
     is not a bool (or 0/1), and for a keyword this function does not take (naming it, and the one
     meant for a misspelling).
@@ -212,39 +227,45 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if query.dim() == 4 and key.dim() == 4 and query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"key: expected num_kv_heads == num_heads ({query.shape[1]}) without enable_gqa=True, "
                          f"got {key.shape[1]}")
-    out, _ = _call(query, key, value, _SDPA_NAMES, mask=attn_mask, scale=scale, causal=is_causal, align="top-left")
+    out, _ = _call(query, key, value, _SDPA_NAMES, mask=attn_mask, scale=scale, causal=is_causal, align="top-left",
+                   sinks=sinks, alibi_slopes=alibi_slopes)
     return out.squeeze(1) if squeeze else out
 
 
 @_options.keyword_only
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=WINDOW, softcap=SOFTCAP,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, **unknown):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sinks=None, keep_first=0,
+                    **unknown):
     """FlashAttention's flash_attn_func on qkv's kernels (forward and backward).
 
     Semantics are FlashAttention 2's: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]
     (BSHD), Hq % Hkv == 0 (MQA/GQA), causal and window_size aligned bottom-right (the last query
-    sees the last key), softcap > 0 caps the scores, softmax_scale defaults to 1/sqrt(D).
-    qkv's backward is always deterministic, so `deterministic` changes nothing.
+    sees the last key), softcap > 0 caps the scores, softmax_scale defaults to 1/sqrt(D),
+    alibi_slopes float32 [Hq] or [B, Hq] adds -slope * |i + Sk - Sq - j| to the scores (no
+    gradient; FlashAttention's causal kernel adds slope * j instead, which gives the same out and
+    gradients but a softmax_lse lower by slope * (i + Sk - Sq) in each row).
+    qkv's backward is always deterministic, so `deterministic` changes nothing. qkv's extensions,
+    keyword-only: sinks, [Hq] attention-sink logits (gpt-oss; differentiable), and keep_first,
+    keys 0 .. keep_first-1 seen by every query besides window_size (StreamingLLM), as
+    qkv.attention.
 
     Returns out [B, Sq, Hq, Dv]; with return_attn_probs=True the tuple (out, softmax_lse,
     S_dmask), where softmax_lse [B, Hq, Sq] float32 is the natural log of each row's sum of
     exp(score), and S_dmask is None: FlashAttention returns the dropout mask pattern there only
     for dropout_p > 0, which qkv does not implement. A query row with no admissible key (a
     window or Sk = 0) has output 0 and softmax_lse -inf, the log of its empty sum (FlashAttention
-    2's CUDA kernel writes +inf there).
+    2's CUDA kernel writes +inf there), or z_h with sinks.
 
-    Raises: NotImplementedError for dropout_p > 0 or alibi_slopes given (naming the argument);
-    ValueError/TypeError as qkv.attention; TypeError for a keyword this function does not take.
+    Raises: NotImplementedError for dropout_p > 0 (naming the argument) or alibi_slopes that
+    require grad with grad enabled; ValueError/TypeError as qkv.attention; TypeError for a keyword
+    this function does not take.
     """
     if unknown:
         _options.misuse(flash_attn_func, (), unknown)
     if dropout_p > 0.0:
         raise NotImplementedError(f"dropout_p: qkv does not implement attention dropout, got dropout_p = {dropout_p}")
-    if alibi_slopes is not None:
-        raise NotImplementedError("alibi_slopes: qkv does not implement ALiBi biases (pass an additive mask to "
-                                  "qkv.attention instead)")
     out, lse = _call(q, k, v, _FLASH_NAMES, scale=softmax_scale, causal=causal, window=window_size, softcap=softcap,
-                     layout="bshd")
+                     layout="bshd", sinks=sinks, alibi_slopes=alibi_slopes, keep_first=keep_first)
     if return_attn_probs:
         return out, lse, None
     return out

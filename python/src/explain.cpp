@@ -43,6 +43,12 @@ void bind_explain(nb::module_& m) {
         d["softcap"] = t.softcap;
         d["window"] = nb::make_tuple(t.window.left, t.window.right);
         d["kv_lens"] = t.kv_lens.empty() ? nb::list() : nb::cast(std::vector<std::int64_t>(t.kv_lens));
+        // The score options: None where the call has none.
+        const bool sinks = !t.sinks.empty(), alibi = !t.alibi_slopes.empty();
+        d["sinks"] = sinks ? numpy_f64(std::move(t.sinks), {t.Hq}) : nb::none();
+        d["sink_weights"] = sinks ? numpy_f64(std::move(t.sink_weights), {t.B, t.Hq, t.Sq}) : nb::none();
+        d["alibi_slopes"] = alibi ? numpy_f64(std::move(t.alibi_slopes), {t.B, t.Hq}) : nb::none();
+        d["keep_first"] = t.keep_first;
         return d;
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("arrays"), nb::arg("options"),

@@ -91,7 +91,8 @@ void bind_layers(nb::module_& m) {
           "__init__",
           [](MultiHeadAttention* self, std::int64_t d_model, std::int64_t num_heads, std::int64_t num_kv_heads,
              std::int64_t head_dim, std::int64_t head_dim_v, bool qkv_bias, bool out_bias,
-             const std::optional<std::string>& rope, double rope_theta, std::int64_t rotary_dim) {
+             const std::optional<std::string>& rope, double rope_theta, std::int64_t rotary_dim, bool sinks,
+             bool alibi) {
             MhaConfig c;
             c.d_model = d_model;
             c.num_heads = num_heads;
@@ -100,6 +101,8 @@ void bind_layers(nb::module_& m) {
             c.head_dim_v = head_dim_v;
             c.qkv_bias = qkv_bias;
             c.out_bias = out_bias;
+            c.sinks = sinks;
+            c.alibi = alibi;
             if (rope) {
               RopeConfig r;
               if (*rope == "interleaved") r.style = RopeStyle::interleaved;
@@ -113,7 +116,8 @@ void bind_layers(nb::module_& m) {
           },
           nb::arg("d_model"), nb::arg("num_heads"), nb::arg("num_kv_heads") = 0, nb::arg("head_dim") = 0,
           nb::arg("head_dim_v") = 0, nb::arg("qkv_bias") = true, nb::arg("out_bias") = true,
-          nb::arg("rope").none() = nb::none(), nb::arg("rope_theta") = 10000.0, nb::arg("rotary_dim") = 0)
+          nb::arg("rope").none() = nb::none(), nb::arg("rope_theta") = 10000.0, nb::arg("rotary_dim") = 0,
+          nb::arg("sinks") = false, nb::arg("alibi") = false)
       .def("config",
            [](const MultiHeadAttention& l) {
              const MhaConfig& c = l.config();
@@ -125,6 +129,8 @@ void bind_layers(nb::module_& m) {
              d["head_dim_v"] = c.head_dim_v;
              d["qkv_bias"] = c.qkv_bias;
              d["out_bias"] = c.out_bias;
+             d["sinks"] = c.sinks;
+             d["alibi"] = c.alibi;
              return d;
            })
       .def(
@@ -153,6 +159,7 @@ void bind_layers(nb::module_& m) {
              d["b_k"] = numpy_of_view(l.b_k());
              d["b_v"] = numpy_of_view(l.b_v());
              d["b_o"] = numpy_of_view(l.b_o());
+             d["sinks"] = numpy_of_view(l.sinks());
              return d;
            })
       .def(

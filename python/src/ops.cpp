@@ -48,25 +48,57 @@ void bind_ops(nb::module_& m) {
   m.def(
       "_attention_backward",
       [backward_call](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle grad_out,
-                      nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o) {
-        backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o, [](const auto&... x) {
-          nb::gil_scoped_release release;
-          attention_backward(x...);
-        });
+                      nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o,
+                      nb::handle grad_sinks) {
+        if (grad_sinks.is_none()) {
+          backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o, [](const auto&... x) {
+            nb::gil_scoped_release release;
+            attention_backward(x...);
+          });
+          return;
+        }
+        // d z_h of the attention sinks too: the overload that writes grad_sinks before the params.
+        CallArrays a;
+        const TensorView gs = a.out("grad_sinks", grad_sinks);
+        backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o,
+                      [&gs](const TensorView& qv, const TensorView& kv, const TensorView& vv, const TensorView& ov,
+                            const TensorView& lv, const TensorView& gov, const TensorView& gq, const TensorView& gk,
+                            const TensorView& gv, const AttentionParams& p) {
+                        nb::gil_scoped_release release;
+                        attention_backward(qv, kv, vv, ov, lv, gov, gq, gk, gv, gs, p);
+                      });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"),
       nb::arg("grad_q"), nb::arg("grad_k"), nb::arg("grad_v"), nb::arg("arrays"), nb::arg("options"),
-      "qkv::attention_backward on caller-allocated gradients (use qkv.attention_backward).");
+      nb::arg("grad_sinks").none() = nb::none(),
+      "qkv::attention_backward on caller-allocated gradients, with grad_sinks [Hq] the sinks' gradient "
+      "(use qkv.attention_backward).");
   m.def(
       "_explain_dispatch_backward",
       [backward_call](nb::handle q, nb::handle k, nb::handle v, nb::handle out, nb::handle lse, nb::handle grad_out,
-                      nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o) {
+                      nb::handle grad_q, nb::handle grad_k, nb::handle grad_v, nb::handle arrays, const Options& o,
+                      nb::handle grad_sinks) {
+        if (grad_sinks.is_none())
+          return backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o,
+                               [](const auto&... x) { return explain_dispatch(x...); });
+        CallArrays a;
+        const TensorView gs = a.out("grad_sinks", grad_sinks);
         return backward_call(q, k, v, out, lse, grad_out, grad_q, grad_k, grad_v, arrays, o,
-                             [](const auto&... x) { return explain_dispatch(x...); });
+                             [&gs](const TensorView& qv, const TensorView& kv, const TensorView& vv,
+                                   const TensorView& ov, const TensorView& lv, const TensorView& gov,
+                                   const TensorView& gq, const TensorView& gk, const TensorView& gv,
+                                   const AttentionParams& p) {
+                               return explain_dispatch(qv, kv, vv, ov, lv, gov, gq, gk, gv, gs, p);
+                             });
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"), nb::arg("lse"), nb::arg("grad_out"),
       nb::arg("grad_q"), nb::arg("grad_k"), nb::arg("grad_v"), nb::arg("arrays"), nb::arg("options"),
+      nb::arg("grad_sinks").none() = nb::none(),
       "qkv::explain_dispatch of attention_backward (use qkv.explain_dispatch(..., backward=True)).");
+
+  m.def(
+      "_alibi_slopes", [](std::int64_t num_heads) { return alibi_slopes(num_heads); }, nb::arg("num_heads"),
+      "qkv::alibi_slopes: BLOOM's ALiBi slopes of num_heads heads, float32 (use qkv.alibi_slopes).");
 
   // What the C++ side sees of an array: its address, shape, strides (elements) and dtype. The
   // zero-copy tests compare the address with the caller's.

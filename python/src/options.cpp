@@ -63,6 +63,7 @@ AttentionParams params_of(const Options& o, CallArrays& a, nb::handle arrays) {
   p.window_right = o.window_right;
   p.kernel = o.kernel;
   p.num_threads = o.num_threads;
+  p.window_keep_first = o.keep_first;
   if (!PyTuple_Check(arrays.ptr()) || PyTuple_GET_SIZE(arrays.ptr()) != static_cast<Py_ssize_t>(kNumArrayOptions))
     throw nb::type_error(("arrays: expected a tuple of " + std::to_string(kNumArrayOptions) +
                           " arrays or None (qkv._qkv.ARRAY_OPTIONS), got " + nb::inst_name(arrays).c_str())
@@ -84,7 +85,7 @@ void bind_options(nb::module_& m) {
           "__init__",
           [](Options* self, std::optional<double> scale, double softcap, bool causal, const std::string& align,
              std::int64_t window_left, std::int64_t window_right, const std::string& layout,
-             const std::string& kernel_name, int num_threads) {
+             const std::string& kernel_name, int num_threads, std::int64_t keep_first) {
             Options o;
             o.scale = scale;
             o.softcap = softcap;
@@ -95,11 +96,13 @@ void bind_options(nb::module_& m) {
             o.bshd = bshd_named(layout);
             o.kernel = kernel_named(kernel_name);
             o.num_threads = num_threads;
+            o.keep_first = keep_first;
             new (self) Options(o);
           },
           nb::kw_only(), nb::arg("scale").none() = nb::none(), nb::arg("softcap") = 0.0, nb::arg("causal") = false,
           nb::arg("align") = "bottom-right", nb::arg("window_left") = -1, nb::arg("window_right") = -1,
-          nb::arg("layout") = "bhsd", nb::arg("kernel_name") = "auto", nb::arg("num_threads") = 0)
+          nb::arg("layout") = "bhsd", nb::arg("kernel_name") = "auto", nb::arg("num_threads") = 0,
+          nb::arg("keep_first") = 0)
       .def_ro("scale", &Options::scale)
       .def_ro("softcap", &Options::softcap)
       .def_ro("causal", &Options::causal)
@@ -109,7 +112,8 @@ void bind_options(nb::module_& m) {
       .def_prop_ro("layout", [](const Options& o) { return o.bshd ? "bshd" : "bhsd"; })
       .def_ro("bshd", &Options::bshd)
       .def_prop_ro("kernel_name", [](const Options& o) { return name_of(o.kernel); })
-      .def_ro("num_threads", &Options::num_threads);
+      .def_ro("num_threads", &Options::num_threads)
+      .def_ro("keep_first", &Options::keep_first);
 
   nb::list names;
   for (const ArrayOption& a : kArrayOptions) names.append(a.name);

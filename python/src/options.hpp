@@ -25,6 +25,7 @@ struct Options {
   bool bshd = false;  ///< layout "bshd": q, k, v, out and their gradients are [B, S, H, D]
   KernelKind kernel = KernelKind::automatic;
   int num_threads = 0;
+  std::int64_t keep_first = 0;  ///< AttentionParams::window_keep_first (StreamingLLM's sink keys)
 };
 
 /// The array options of a call, in the order of the `arrays` tuple every entry point takes
@@ -36,6 +37,8 @@ struct ArrayOption {
 inline constexpr ArrayOption kArrayOptions[] = {
     {"mask", &AttentionParams::mask},
     {"kv_lens", &AttentionParams::kv_lens},
+    {"sinks", &AttentionParams::sinks},
+    {"alibi_slopes", &AttentionParams::alibi_slopes},
 };
 
 /// The library's parameters for `o` and the arrays of `arrays` (a tuple in kArrayOptions' order,

@@ -239,6 +239,30 @@ MultiHeadAttention::MultiHeadAttention(const MhaConfig& config) : cfg_(config) {
   w_o_ = Tensor(DType::f32, {cfg_.d_model, Hq * Dv});
   if (cfg_.qkv_bias) b_in_ = Tensor(DType::f32, {n_in});
   if (cfg_.out_bias) b_o_ = Tensor(DType::f32, {cfg_.d_model});
+  if (cfg_.sinks) sinks_ = Tensor(DType::f32, {Hq});
+  if (cfg_.alibi) {
+    const std::vector<float> slopes = qkv::alibi_slopes(Hq);
+    alibi_ = Tensor(DType::f32, {Hq});
+    std::copy(slopes.begin(), slopes.end(), alibi_.data_as<float>());
+  }
+}
+
+TensorView MultiHeadAttention::sinks() const { return cfg_.sinks ? sinks_.view() : TensorView(); }
+
+AttentionParams MultiHeadAttention::attention_params(const MhaOptions& options) const {
+  AttentionParams p = options.attention;
+  if (cfg_.sinks) {
+    if (p.sinks)
+      throw Error("mha: options.attention.sinks: expected none, the layer has its own sinks (config().sinks)");
+    p.sinks = sinks_.view();
+  }
+  if (cfg_.alibi) {
+    if (p.alibi_slopes)
+      throw Error("mha: options.attention.alibi_slopes: expected none, the layer has its own ALiBi slopes "
+                  "(config().alibi)");
+    p.alibi_slopes = alibi_.view();
+  }
+  return p;
 }
 
 TensorView MultiHeadAttention::w_q() const {
@@ -287,7 +311,7 @@ void MultiHeadAttention::forward(const TensorView& x, const TensorView& y, const
   Tensor o(DType::f32, {B, S, Hq * Dv});
   const TensorView ov = mha_detail::heads_view(o, Hq);
   const ProbsPlan probs = plan_probs(options, B, Hq, S, S, "");
-  attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
+  attention(q, k, v, ov, attention_params(options), std::nullopt, probs.view);
   finish_probs(probs, options);
   linear(o.view(), w_o_.data_as<const float>(), Hq * Dv, cfg_.d_model,
          cfg_.out_bias ? b_o_.data_as<const float>() : nullptr, y.data_as<float>(), y.stride(0), y.stride(1));
@@ -318,7 +342,7 @@ void MultiHeadAttention::forward(const TensorView& x_q, const TensorView& x_kv, 
   Tensor o(DType::f32, {B, Sq, Hq * Dv});
   const TensorView ov = mha_detail::heads_view(o, Hq);
   const ProbsPlan probs = plan_probs(options, B, Hq, Sq, Sk, "");
-  attention(q, k, v, ov, options.attention, std::nullopt, probs.view);
+  attention(q, k, v, ov, attention_params(options), std::nullopt, probs.view);
   finish_probs(probs, options);
   linear(o.view(), w_o_.data_as<const float>(), Hq * Dv, cfg_.d_model,
          cfg_.out_bias ? b_o_.data_as<const float>() : nullptr, y.data_as<float>(), y.stride(0), y.stride(1));
@@ -349,12 +373,13 @@ void MultiHeadAttention::forward(const TensorView& x, KVCache& cache, const Tens
   const TensorView ov = mha_detail::heads_view(o, Hq);
   // Appending first makes the new tokens visible to their own queries (the diagonal). append()
   // refuses a chunk beyond the capacity and then writes nothing.
+  const AttentionParams params = attention_params(options);
   const std::vector<std::int64_t> saved(cache.lengths().begin(), cache.lengths().end());
   cache.append(k, v);
   try {
     const ProbsPlan probs =
         plan_probs(options, B, Hq, S, cache.max_length(), "; Sk = the cache's max length after this call");
-    cache.attend(q, ov, options.attention, std::nullopt, probs.view);
+    cache.attend(q, ov, params, std::nullopt, probs.view);
     finish_probs(probs, options);
   } catch (...) {
     cache.truncate(saved);  // a refused call leaves the cache as it was

@@ -116,14 +116,14 @@ std::string describe(const MhaConfig& c) {
   return "d_model = " + std::to_string(c.d_model) + ", Hq = " + std::to_string(c.num_heads) +
          ", Hkv = " + std::to_string(c.num_kv_heads) + ", D = " + std::to_string(c.head_dim) +
          ", Dv = " + std::to_string(c.head_dim_v) + ", qkv_bias = " + (c.qkv_bias ? "true" : "false") +
-         ", out_bias = " + (c.out_bias ? "true" : "false");
+         ", out_bias = " + (c.out_bias ? "true" : "false") + ", sinks = " + (c.sinks ? "true" : "false");
 }
 
 void check_grads(const MhaGrads& g, const MhaConfig& c) {
   const MhaConfig& h = g.config();
   if (h.d_model != c.d_model || h.num_heads != c.num_heads || h.num_kv_heads != c.num_kv_heads ||
       h.head_dim != c.head_dim || h.head_dim_v != c.head_dim_v || h.qkv_bias != c.qkv_bias ||
-      h.out_bias != c.out_bias)
+      h.out_bias != c.out_bias || h.sinks != c.sinks)
     throw Error("mha: grads: expected the gradients of this layer (MhaGrads(layer)): " + describe(c) +
                 "; got " + (h.d_model < 1 ? std::string("default-constructed gradients") : describe(h)));
 }
@@ -149,9 +149,10 @@ void mha_backward(const MultiHeadAttention& m, const TensorView& x_q, const Tens
     apply_rope(h.q, pos->q(), *c.rope);
     apply_rope(h.k, pos->k(), *c.rope);
   }
+  const AttentionParams params = m.attention_params(o);
   const Tensor out(DType::f32, {B, Sq, Hq * Dv}), lse(DType::f32, {B, Hq, Sq});
   const TensorView out_heads = heads_view(out, Hq);
-  attention(h.q, h.k, h.v, out_heads, o.attention, lse.view());
+  attention(h.q, h.k, h.v, out_heads, params, lse.view());
 
   // y = o W_O^T + b_O:  dW_O += dy^T o,  db_O += sum dy,  do = dy W_O.
   const Rows dyr = Rows::of(dy);
@@ -163,8 +164,17 @@ void mha_backward(const MultiHeadAttention& m, const TensorView& x_q, const Tens
   // Attention, then RoPE's transpose on dq and dk (gradients of the pre-rotation q and k).
   const Tensor dq(DType::f32, {B, Sq, Hq * D}), dk(DType::f32, {B, Sk, Hkv * D});
   const Tensor dv(DType::f32, {B, Sk, Hkv * Dv});
-  attention_backward(h.q, h.k, h.v, out_heads, lse.view(), heads_view(dout, Hq), heads_view(dq, Hq),
-                     heads_view(dk, Hkv), heads_view(dv, Hkv), o.attention);
+  if (c.sinks) {
+    // The sinks' gradient is written by attention_backward, then accumulated like the weights'.
+    const Tensor dsinks(DType::f32, {Hq});
+    attention_backward(h.q, h.k, h.v, out_heads, lse.view(), heads_view(dout, Hq), heads_view(dq, Hq),
+                       heads_view(dk, Hkv), heads_view(dv, Hkv), dsinks.view(), params);
+    float* gs = g.sinks().data_as<float>();
+    for (std::int64_t hh = 0; hh < Hq; ++hh) gs[hh] += dsinks.data_as<const float>()[hh];
+  } else {
+    attention_backward(h.q, h.k, h.v, out_heads, lse.view(), heads_view(dout, Hq), heads_view(dq, Hq),
+                       heads_view(dk, Hkv), heads_view(dv, Hkv), params);
+  }
   if (c.rope) {
     apply_rope_inverse(heads_view(dq, Hq), pos->q(), *c.rope);
     apply_rope_inverse(heads_view(dk, Hkv), pos->k(), *c.rope);
@@ -196,10 +206,11 @@ MhaGrads::MhaGrads(const MultiHeadAttention& layer) : cfg_(layer.config()) {
   w_o_ = Tensor(DType::f32, layer.w_o().shape());
   if (cfg_.qkv_bias) b_in_ = Tensor(DType::f32, layer.in_proj_bias().shape());
   if (cfg_.out_bias) b_o_ = Tensor(DType::f32, layer.b_o().shape());
+  if (cfg_.sinks) sinks_ = Tensor(DType::f32, layer.sinks().shape());
 }
 
 void MhaGrads::zero() {
-  for (const Tensor* t : {&w_in_, &b_in_, &w_o_, &b_o_})
+  for (const Tensor* t : {&w_in_, &b_in_, &w_o_, &b_o_, &sinks_})
     if (t->data()) std::memset(t->data(), 0, t->nbytes());
 }
 
@@ -231,6 +242,7 @@ TensorView MhaGrads::b_v() const {
                     {cfg_.num_kv_heads * cfg_.head_dim_v});
 }
 TensorView MhaGrads::b_o() const { return cfg_.out_bias ? b_o_.view() : TensorView(); }
+TensorView MhaGrads::sinks() const { return cfg_.sinks ? sinks_.view() : TensorView(); }
 
 void MultiHeadAttention::backward(const TensorView& x, const TensorView& dy, const TensorView& dx,
                                   MhaGrads& grads, const MhaOptions& options) const {

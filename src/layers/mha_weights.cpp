@@ -36,8 +36,8 @@ const Tensor* find_one(const TensorMap& m, const std::string& prefix,
 struct Names {
   const Tensor *in_w = nullptr, *in_b = nullptr, *q_w = nullptr, *k_w = nullptr, *v_w = nullptr,
                *o_w = nullptr;
-  const Tensor *q_b = nullptr, *k_b = nullptr, *v_b = nullptr, *o_b = nullptr;
-  std::string in_w_n, in_b_n, q_w_n, k_w_n, v_w_n, o_w_n, q_b_n, k_b_n, v_b_n, o_b_n;
+  const Tensor *q_b = nullptr, *k_b = nullptr, *v_b = nullptr, *o_b = nullptr, *sinks = nullptr;
+  std::string in_w_n, in_b_n, q_w_n, k_w_n, v_w_n, o_w_n, q_b_n, k_b_n, v_b_n, o_b_n, sinks_n;
 };
 
 Names lookup(const TensorMap& m, const std::string& p) {
@@ -52,6 +52,7 @@ Names lookup(const TensorMap& m, const std::string& p) {
   n.k_b = find_one(m, p, {"k_proj.bias", "wk.bias"}, &n.k_b_n);
   n.v_b = find_one(m, p, {"v_proj.bias", "wv.bias"}, &n.v_b_n);
   n.o_b = find_one(m, p, {"out_proj.bias", "o_proj.bias", "wo.bias"}, &n.o_b_n);
+  n.sinks = find_one(m, p, {"sinks"}, &n.sinks_n);
   const bool sep = n.q_w || n.k_w || n.v_w;
   if (n.in_w && sep)
     throw Error("mha weights: both the packed '" + n.in_w_n +
@@ -133,6 +134,7 @@ MhaConfig infer_mha_config(const TensorMap& tensors, std::int64_t num_heads, std
   }
   c.qkv_bias = n.in_b || n.q_b;
   c.out_bias = n.o_b != nullptr;
+  c.sinks = n.sinks != nullptr;
   if (c.d_model < 1 || c.head_dim < 1 || c.head_dim_v < 1)
     throw Error("mha weights: inferred an empty layer (d_model = " + std::to_string(c.d_model) + ", D = " + std::to_string(c.head_dim) +
                 ", Dv = " + std::to_string(c.head_dim_v) + ")");
@@ -174,6 +176,11 @@ void MultiHeadAttention::load_weights(const TensorMap& tensors, const std::strin
     expect_shape(*n.v_b, n.v_b_n, {Hkv * Dv});
   }
   if (n.o_b) expect_shape(*n.o_b, n.o_b_n, {dm});
+  if ((n.sinks != nullptr) != cfg_.sinks)
+    throw Error(cfg_.sinks ? "mha weights: the config has attention sinks but no 'sinks' tensor is present under "
+                             "prefix '" + prefix + "'"
+                           : "mha weights: '" + n.sinks_n + "' is present but the config has sinks = false");
+  if (n.sinks) expect_shape(*n.sinks, n.sinks_n, {Hq});
 
   if (n.in_w)
     copy_into(w_in_.view(), *n.in_w);
@@ -190,6 +197,7 @@ void MultiHeadAttention::load_weights(const TensorMap& tensors, const std::strin
     copy_into(b_v(), *n.v_b);
   }
   if (n.o_b) copy_into(b_o_.view(), *n.o_b);
+  if (n.sinks) copy_into(sinks_.view(), *n.sinks);
 }
 
 Tensor mask_from_torch(const std::optional<TensorView>& attn_mask,

@@ -18,11 +18,11 @@ def test_fields_match_the_extension():
     assert {n: getattr(_qkv.Options(), n) for n in _options.NAMES} == {n: d for n, _, d in _options.FIELDS}
     assert tuple(n for n, _ in _options.ARRAY_OPTIONS) == _qkv.ARRAY_OPTIONS
     key = _options.values(scale=0.25, causal=True, align="top_left", window=(3, 1), softcap=1.5, layout="bshd",
-                          kernel="reference", num_threads=2)
+                          kernel="reference", num_threads=2, keep_first=4)
     o = _options.options(key)
     assert {n: getattr(o, n) for n in _options.NAMES} == {
         "scale": 0.25, "softcap": 1.5, "causal": True, "align": "top-left", "window_left": 3, "window_right": 1,
-        "layout": "bshd", "kernel_name": "reference", "num_threads": 2}
+        "layout": "bshd", "kernel_name": "reference", "num_threads": 2, "keep_first": 4}
     assert o.bshd and _options.options(key) is o  # equal options share one object
     assert _options.options(_options.values()).scale is None  # the library resolves 1/sqrt(D)
     with pytest.raises(TypeError, match="softcap"):
@@ -34,7 +34,7 @@ def test_fields_match_the_extension():
 def test_option_values_are_checked_by_type_and_value():
     values = _options.values
     assert values(causal=1) == values(causal=True) and values(causal=np.bool_(False)) == values()
-    assert values(window=np.array([2, 0])) == values(window=(2, 0)) and values(num_threads=np.int64(3))[-1] == 3
+    assert values(window=np.array([2, 0])) == values(window=(2, 0)) and values(num_threads=np.int64(3))[_options.NAMES.index("num_threads")] == 3
     values(window=(2, 0))  # an entry for the integers does not let floats or bools through
     for bad in ((2.0, 0), (True, 0), (1, 2, 3), "ab", 5):
         with pytest.raises(ValueError, match="window: expected a pair of integers"):
@@ -45,6 +45,8 @@ def test_option_values_are_checked_by_type_and_value():
                            ({"causal": 2}, TypeError, "causal: expected a bool"),
                            ({"num_threads": 1.5}, TypeError, "num_threads: expected an integer or None"),
                            ({"num_threads": True}, TypeError, "num_threads: expected an integer or None"),
+                           ({"keep_first": 1.0}, TypeError, "keep_first: expected an integer >= 0"),
+                           ({"keep_first": -2}, ValueError, "keep_first: expected an integer >= 0"),
                            ({"align": 1}, TypeError, "align: expected a str"),
                            ({"layout": ["bhsd"]}, TypeError, "layout: expected a str"),
                            ({"kernel": "fast"}, ValueError, "kernel: expected 'auto', 'reference', 'flash' or 'decode'"),

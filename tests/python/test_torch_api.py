@@ -144,8 +144,11 @@ def test_flash_attn_func_semantics():
     assert (lse.double() - torch.logsumexp(s, -1)).abs().max() < 1e-5
     with pytest.raises(NotImplementedError, match="dropout_p"):
         qkv.flash_attn_func(q, k, v, dropout_p=0.5)
+    # ALiBi runs (tests/python/test_score_options.py checks its values); slopes that require grad
+    # would get no gradient, and are refused where the call is differentiable
+    assert qkv.flash_attn_func(q, k, v, alibi_slopes=torch.ones(Hq)).shape == (B, Sq, Hq, D)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        qkv.flash_attn_func(q, k, v, alibi_slopes=torch.ones(Hq))
+        qkv.flash_attn_func(q.requires_grad_(), k, v, alibi_slopes=torch.ones(Hq, requires_grad=True))
 
 
 def test_custom_op_is_registered_and_fake_shapes():
