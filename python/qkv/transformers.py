@@ -122,8 +122,8 @@ def _describe(pattern, q_length, kv_length, q_offset, kv_offset, attention_mask)
             lens = pad.sum(-1)
             prefix = bool((pad == (torch.arange(keys, device=pad.device) < lens[:, None])).all())
             # kv_lens moves qkv's bottom-right diagonal with each length: it keeps transformers'
-            # meaning only with the top-left diagonal or without a window
-            if prefix and (align == "top-left" or window == (-1, -1)):
+            # meaning only with the top-left diagonal or where no diagonal matters
+            if prefix and (align == "top-left" or (not causal and window == (-1, -1))):
                 options["kv_lens"] = lens.to(torch.int64)
             else:
                 options["mask"] = pad[:, None, None, :]
