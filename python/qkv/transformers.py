@@ -26,6 +26,7 @@ import transformers
 from transformers import masking_utils as _mu
 
 import qkv
+from . import _ops, _options
 
 __all__ = ["register", "attention_forward", "mask", "Mask"]
 
@@ -49,10 +50,22 @@ class Mask:
         [B]) or mask (bool [B, 1, 1, keys], True = attend) where a padding mask excludes keys.
     """
 
-    __slots__ = ("q_length", "kv_length", "keys", "options")
+    __slots__ = ("q_length", "kv_length", "keys", "options", "_arrays", "_keys")
 
     def __init__(self, q_length, kv_length, keys, options):
         self.q_length, self.kv_length, self.keys, self.options = q_length, kv_length, keys, options
+        # what each layer's call passes on: the array options, and the checked options key per
+        # (scale, softcap), made once per forward rather than once per layer
+        self._arrays = _ops.arrays("torch", options.get("mask"), options.get("kv_lens"))
+        self._keys = {}
+
+    def _key(self, scale, softcap):
+        key = self._keys.get((scale, softcap))
+        if key is None:
+            o = self.options
+            key = self._keys[(scale, softcap)] = _options.values(scale, o["causal"], o["align"], o["window"],
+                                                                  float(softcap) if softcap else 0.0, "bshd")
+        return key
 
     def __repr__(self):
         shown = {k: (f"tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else v) for k, v in self.options.items()}
@@ -185,18 +198,25 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("position_bias: qkv does not take a relative position bias in transformers; use "
                                   "attn_implementation='sdpa' or 'eager'")
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if x.device.type != "cpu":
-            raise ValueError(f"{name}: qkv computes on the CPU, got a tensor on device '{x.device}'")
+    if not (query.is_cpu and key.is_cpu and value.is_cpu):
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if not x.is_cpu:
+                raise ValueError(f"{name}: qkv computes on the CPU, got a tensor on device '{x.device}'")
     Sq, Sk = query.shape[2], key.shape[2]
     options = {}
     if isinstance(attention_mask, Mask):
         if attention_mask.q_length != Sq or attention_mask.kv_length != Sk:
             raise ValueError(f"attention_mask: a qkv Mask for Sq = {attention_mask.q_length}, Sk = "
                              f"{attention_mask.kv_length}, got query Sq = {Sq} and key Sk = {Sk}")
-        options.update(attention_mask.options)
         if attention_mask.keys != Sk:
             key, value = key[:, :, :attention_mask.keys], value[:, :, :attention_mask.keys]
+        if s_aux is None and query.ndim == 4 and key.ndim == 4 and value.ndim == 4:
+            # the common path: the options checked once per forward (Mask._key), not once per layer
+            q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            _ops._tensors(q, k, v)
+            return _ops._run(q, k, v, "torch", attention_mask._arrays, attention_mask._key(scaling, softcap),
+                             False, False)[0], None
+        options.update(attention_mask.options)
     elif attention_mask is None:
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         options.update(causal=bool(causal) and Sq > 1, align="top-left")
