@@ -39,8 +39,21 @@ _SLIDING = _mu.sliding_window_overlay(1).__code__
 _SLIDING_BIDIRECTIONAL = _mu.sliding_window_bidirectional_overlay(1).__code__
 
 
-class Mask:
+# Tensor functions that read a Mask's metadata; every other one sees its dense values.
+_METADATA = {torch.Tensor.shape.__get__, torch.Tensor.ndim.__get__, torch.Tensor.dtype.__get__,
+             torch.Tensor.device.__get__, torch.Tensor.is_cpu.__get__, torch.Tensor.requires_grad.__get__,
+             torch.Tensor.dim, torch.Tensor.size, torch.Tensor.__len__}
+
+
+class Mask(torch.Tensor):
     """The attention mask of one forward, as qkv options (what `mask` returns instead of a dense mask).
+
+    A bool tensor of shape [B, 1, Sq, Sk] (True = attend) to transformers, which passes a 4-D mask
+    on as it is (generate() with a static cache builds the masks ahead and hands them back to the
+    model); its storage is one element. Reading its shape, ndim, dtype or device costs nothing;
+    any other tensor operation (someone else's attention, slicing, printing the values) gets the
+    dense mask of transformers' sdpa_mask, made on first use, so the object never means anything
+    but that mask.
 
     Attributes:
       q_length, kv_length: the Sq and Sk it was made for (the attention function checks them).
@@ -50,14 +63,17 @@ class Mask:
         [B]) or mask (bool [B, 1, 1, keys], True = attend) where a padding mask excludes keys.
     """
 
-    __slots__ = ("q_length", "kv_length", "keys", "options", "_arrays", "_keys")
-
-    def __init__(self, q_length, kv_length, keys, options):
+    @staticmethod
+    def __new__(cls, dense_args, q_length, kv_length, keys, options):
+        base = torch.ones((), dtype=torch.bool).expand(dense_args["batch_size"], 1, q_length, kv_length)
+        self = torch.Tensor._make_subclass(cls, base)
         self.q_length, self.kv_length, self.keys, self.options = q_length, kv_length, keys, options
+        self._dense_args, self._dense = dense_args, None
         # what each layer's call passes on: the array options, and the checked options key per
         # (scale, softcap), made once per forward rather than once per layer
         self._arrays = _ops.arrays("torch", options.get("mask"), options.get("kv_lens"))
         self._keys = {}
+        return self
 
     def _key(self, scale, softcap):
         key = self._keys.get((scale, softcap))
@@ -67,7 +83,25 @@ class Mask:
                                                                   float(softcap) if softcap else 0.0, "bshd")
         return key
 
-    def __repr__(self):
+    def dense(self):
+        """The dense bool mask [B, 1, Sq, Sk] (True = attend) of transformers' sdpa_mask."""
+        if self._dense is None:
+            self._dense = _mu.sdpa_mask(**self._dense_args, allow_is_causal_skip=False)
+        return self._dense
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func is torch.Tensor.contiguous and len(args) == 1 and not kwargs:
+            return args[0]  # generate() makes its masks contiguous: this one stays a description
+        args, kwargs = torch.utils._pytree.tree_map(lambda x: x.dense() if isinstance(x, Mask) else x,
+                                                    (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self, **_):
         shown = {k: (f"tensor{list(v.shape)}" if isinstance(v, torch.Tensor) else v) for k, v in self.options.items()}
         return f"qkv.transformers.Mask(q_length={self.q_length}, kv_length={self.kv_length}, keys={self.keys}, {shown})"
 
@@ -100,7 +134,7 @@ def _pattern(fn):
     return None
 
 
-def _describe(pattern, q_length, kv_length, q_offset, kv_offset, attention_mask):
+def _describe(pattern, q_length, kv_length, q_offset, kv_offset, attention_mask, dense_args):
     """The Mask of a recognised pattern, or None where qkv's options cannot express it.
 
     Query i sits at position q_offset + i, key j at kv_offset + j; transformers' causal rule
@@ -140,7 +174,7 @@ def _describe(pattern, q_length, kv_length, q_offset, kv_offset, attention_mask)
                 options["kv_lens"] = lens.to(torch.int64)
             else:
                 options["mask"] = pad[:, None, None, :]
-    return Mask(q_length, kv_length, keys, options)
+    return Mask(dense_args, q_length, kv_length, keys, options)
 
 
 def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=_mu.causal_mask_function,
@@ -154,16 +188,16 @@ def mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function
     otherwise (any other mask function, or under tracing) the dense bool mask [B, 1, Sq, Sk] of
     sdpa_mask, True = attend.
     """
+    dense_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                      local_size=local_size, allow_is_bidirectional_skip=False, use_vmap=use_vmap, device=device)
     pattern = _pattern(mask_function)
     tracing = attention_mask is not None and _mu.is_tracing(attention_mask)
     if pattern is not None and not tracing and not (isinstance(q_offset, torch.Tensor) and _mu.is_tracing(q_offset)):
-        described = _describe(pattern, q_length, kv_length, q_offset, kv_offset, attention_mask)
+        described = _describe(pattern, q_length, kv_length, q_offset, kv_offset, attention_mask, dense_args)
         if described is not None:
             return described
-    return _mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
-                         local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
-                         use_vmap=use_vmap, device=device)
+    return _mu.sdpa_mask(**dense_args, allow_is_causal_skip=False)
 
 
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,

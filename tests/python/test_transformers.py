@@ -172,14 +172,17 @@ def test_decoder_logits_equal_eager(family, side):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_decoder_generate_equal_eager(family):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_decoder_generate_equal_eager(family, cache):
     model = _model(family)
     ids, am = _batch("left")  # generate's padding side
     tokens = {}
     for impl in ("eager", "qkv"):
         model.set_attn_implementation(impl)
         del SEEN[:]
-        tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False)
+        # static: generate() builds the masks ahead and passes them back into the model
+        tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=8, do_sample=False,
+                                      cache_implementation=None if cache == "dynamic" else cache)
     assert SEEN and set(SEEN) == {"Mask"}, SEEN
     assert torch.equal(tokens["qkv"], tokens["eager"])
 
@@ -302,6 +305,7 @@ def test_mask_options_equal_dense_masks():
                 m = qt.mask(**args)
                 assert isinstance(m, qt.Mask), (case, fn, pad is not None)
                 dense = mu.sdpa_mask(**args, allow_is_causal_skip=False)
+                assert m.shape == dense.shape and m.dtype == torch.bool and torch.equal(m, dense)  # its values
                 q = torch.randn(2, 4, args["q_length"], 8, generator=g)
                 k, v = (torch.randn(2, 2, args["kv_length"], 8, generator=g) for _ in range(2))
                 mod = torch.nn.Module()
