@@ -9,7 +9,9 @@ register() adds two functions to transformers' registries: `attention_forward` t
 (what the model calls once per forward to build the mask its layers share). The mask function
 recognises transformers' own mask patterns (causal, bidirectional, sliding window, each with a
 2-D padding mask) and returns a `Mask`: the qkv options that give the same attention (causal,
-align, window, kv_lens, or a [B, 1, 1, Sk] key mask), never a dense [B, 1, Sq, Sk] mask. Any
+align, window, kv_lens, or a [B, 1, 1, Sk] key mask), shown to transformers as a one-element
+[B, 1, Sq, Sk] bool tensor, never a dense mask (its values are made only if something other than
+qkv's attention reads them). Any
 other pattern (packed sequences, chunked attention, image-token overlays, a custom mask
 function) gets transformers' dense boolean mask, which qkv takes as its `mask`. Which case each
 model family hits: docs/python.md ("Hugging Face transformers").
@@ -18,6 +20,10 @@ The attention function takes q, k, v as transformers hands them ([B, H, S, D] vi
 [B, S, H, D] projections) with their strides, GQA directly (Hq != Hkv, no repeat_kv), and returns
 the output [B, Sq, Hq, Dv] contiguous, computed by qkv.attention in the "bshd" layout; under
 autograd the gradients are qkv's backward (qkv.torch).
+
+Source: transformers' attention and mask interfaces (transformers.modeling_utils.AttentionInterface,
+transformers.masking_utils: sdpa_attention_forward, sdpa_mask and the mask functions), whose
+semantics these functions reproduce; the kernels are qkv.attention's (FlashAttention-2, Dao 2023).
 """
 import inspect
 
