@@ -25,7 +25,6 @@ Source: transformers' attention and mask interfaces (transformers.modeling_utils
 transformers.masking_utils: sdpa_attention_forward, sdpa_mask and the mask functions), whose
 semantics these functions reproduce; the kernels are qkv.attention's (FlashAttention-2, Dao 2023).
 """
-import inspect
 
 import torch
 import transformers
@@ -36,8 +35,6 @@ from . import _ops, _options
 
 __all__ = ["register", "attention_forward", "mask", "Mask"]
 
-# qkv.attention takes attention sinks (gpt-oss's s_aux) once it has a `sinks` keyword.
-_HAS_SINKS = "sinks" in inspect.signature(qkv.attention).parameters
 
 # The code objects of transformers' mask-function factories, to recognise the closures they return.
 _AND = _mu.and_masks(_mu.causal_mask_function).__code__
@@ -220,11 +217,12 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
       dropout: applied only while module.training; qkv has no attention dropout, so a dropout > 0
         there is an error (at eval transformers passes 0, and any value is ignored).
       sliding_window: ignored; the window is the mask's (transformers builds it per layer type).
-      s_aux: attention sinks [Hq] (gpt-oss), once qkv.attention takes `sinks`.
+      s_aux: gpt-oss's attention sinks [Hq], qkv's `sinks` (one more softmax term per row, no
+        value); their gradient flows back to the model's parameter under autograd.
 
     Returns: (output [B, Sq, Hq, Dv] contiguous, None).
 
-    Raises: NotImplementedError naming dropout (> 0 in training), s_aux (while qkv has no sinks),
+    Raises: NotImplementedError naming dropout (> 0 in training),
       position_bias; ValueError for output_attentions=True, tensors not on the CPU, a Mask made
       for other lengths; what qkv.attention raises.
     """
@@ -267,10 +265,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if softcap:
         options["softcap"] = float(softcap)
     if s_aux is not None:
-        if not _HAS_SINKS:
-            raise NotImplementedError("s_aux: qkv does not implement attention sinks yet (gpt-oss); use "
-                                      "attn_implementation='eager'")
-        options["sinks"] = s_aux.float()
+        options["sinks"] = s_aux  # float16/bfloat16 widened exactly by qkv; float64 is a TypeError
     out = qkv.attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale=scaling,
                         layout="bshd", **options)
     return out, None

@@ -221,17 +221,37 @@ def test_gpt_oss_sinks():
     torch.manual_seed(1)
     model = transformers.GptOssForCausalLM(cfg).eval()
     ids, am = _batch("left")
-    if not qt._HAS_SINKS:
-        model.set_attn_implementation("qkv")
-        with pytest.raises(NotImplementedError, match="s_aux"):
-            model(ids, attention_mask=am)
-        return
     out = {}
     for impl in ("eager", "qkv"):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             out[impl] = model(ids, attention_mask=am).logits
     torch.testing.assert_close(out["qkv"][am.bool()], out["eager"][am.bool()], rtol=0, atol=2e-5)
+    tokens = {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        tokens[impl] = model.generate(ids, attention_mask=am, max_new_tokens=6, do_sample=False)
+    assert torch.equal(tokens["qkv"], tokens["eager"])
+    # training: the sinks (s_aux, a parameter of each attention layer) get qkv's d z_h, by the 2x
+    # rule against eager's autograd, a float64 copy of the model as the reference
+    model.train()
+    ids, am = _batch("right")
+    labels = ids.masked_fill(am == 0, -100)
+
+    def loss(m):
+        return m(ids, attention_mask=am, labels=labels).loss
+
+    g = {}
+    for impl in ("eager", "qkv"):
+        model.set_attn_implementation(impl)
+        g[impl] = _grads(model, loss)
+    m64 = copy.deepcopy(model).double()
+    m64.set_attn_implementation("eager")
+    g64 = _grads(m64, loss)
+    assert any(n.endswith("sinks") for n in g["qkv"]), sorted(g["qkv"])
+    scale = max(x.abs().max().item() for x in g64.values())
+    for n in g["qkv"]:
+        _two_x(f"gpt-oss {n}", g["qkv"][n], g["eager"][n], g64[n], scale)
 
 
 # The mask function: transformers' patterns become qkv options, never a dense mask.
@@ -325,9 +345,8 @@ def test_errors():
     mod.eval()
     out, weights = qt.attention_forward(mod, q, q, q, None, dropout=0.1)  # ignored at eval, as transformers
     assert weights is None and out.shape == (1, 3, 2, 8) and out.is_contiguous()
-    if not qt._HAS_SINKS:
-        with pytest.raises(NotImplementedError, match="s_aux"):
-            qt.attention_forward(mod, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(TypeError, match="sinks"):
+        qt.attention_forward(mod, q, q, q, None, s_aux=torch.zeros(2, dtype=torch.float64))
     with pytest.raises(ValueError, match="attention_mask"):
         qt.attention_forward(mod, q, q, q, qt.mask(batch_size=1, q_length=4, kv_length=4))
     if torch.device("meta"):
