@@ -71,6 +71,23 @@ struct Writer {
   }
 };
 
+// --sinks and --alibi-slopes read into `files` (kept alive for the call) and set in p, with
+// --keep-first; the library checks their dtype, shape and values.
+struct ScoreFiles {
+  NpyArray sinks, slopes;
+};
+void read_score_options(const AttendOptions& o, AttentionParams& p, ScoreFiles& files) {
+  if (!o.sinks.empty()) {
+    try { files.sinks = read_npy(o.sinks); } catch (const Error& e) { throw Error(std::string("--sinks: ") + e.what()); }
+    p.sinks = files.sinks.view();
+  }
+  if (!o.alibi_slopes.empty()) {
+    try { files.slopes = read_npy(o.alibi_slopes); } catch (const Error& e) { throw Error(std::string("--alibi-slopes: ") + e.what()); }
+    p.alibi_slopes = files.slopes.view();
+  }
+  p.window_keep_first = o.keep_first;
+}
+
 // Packed sequences: q [total_q,Hq,D], k and v [total_k,Hkv,X], cu_seqlens int32 [batch + 1].
 void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool want_grads) {
   if (o.cu_q.empty() || o.cu_k.empty())
@@ -92,12 +109,13 @@ void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool wa
   std::optional<Tensor> lse;
   if (!o.lse.empty() || want_grads) lse.emplace(DType::f32, Shape{Hq, Tq});
   std::optional<NpyArray> dout;
-  std::optional<Tensor> dq, dk, dv;
+  std::optional<Tensor> dq, dk, dv, dz;
   if (want_grads) {
     dout = read_packed("--grad-out", o.grad_out, "[total_q,Hq,Dv]");
     dq.emplace(DType::f32, q.shape());
     dk.emplace(DType::f32, k.shape());
     dv.emplace(DType::f32, v.shape());
+    if (!o.grad_sinks.empty()) dz.emplace(DType::f32, Shape{Hq});
   }
   std::optional<TensorView> lse_view;
   if (lse) lse_view = lse->view();
@@ -110,7 +128,9 @@ void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool wa
     print_explanations(passes);
   }
   attention_varlen(q, k, v, out, cq.view(), ck.view(), p, lse_view);
-  if (want_grads)
+  if (want_grads && dz)
+    attention_varlen_backward(q, k, v, out, *lse_view, dout->view(), *dq, *dk, *dv, cq.view(), ck.view(), *dz, p);
+  else if (want_grads)
     attention_varlen_backward(q, k, v, out, *lse_view, dout->view(), *dq, *dk, *dv, cq.view(), ck.view(), p);
   Writer write;
   write("--out", o.out, out.view());
@@ -118,16 +138,20 @@ void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool wa
   if (!o.grad_q.empty()) write("--grad-q", o.grad_q, dq->view());
   if (!o.grad_k.empty()) write("--grad-k", o.grad_k, dk->view());
   if (!o.grad_v.empty()) write("--grad-v", o.grad_v, dv->view());
+  if (dz) write("--grad-sinks", o.grad_sinks, dz->view());
   write.files.commit();
 }
 
 void run_attend(const AttendOptions& o) {
   if (o.threads < 0)
     throw Error("--threads: expected an integer >= 0 (0 = all cores), got " + std::to_string(o.threads));
+  if (o.keep_first < 0)
+    throw Error("--keep-first: expected an integer >= 0 (0 = off), got " + std::to_string(o.keep_first));
   // Each output is renamed into place: two flags naming one path would silently keep only one.
   const std::pair<const char*, const std::string*> outs[] = {{"--out", &o.out},       {"--lse", &o.lse},
                                                              {"--probs", &o.probs},   {"--grad-q", &o.grad_q},
-                                                             {"--grad-k", &o.grad_k}, {"--grad-v", &o.grad_v}};
+                                                             {"--grad-k", &o.grad_k}, {"--grad-v", &o.grad_v},
+                                                             {"--grad-sinks", &o.grad_sinks}};
   for (std::size_t a = 0; a < std::size(outs); ++a)
     for (std::size_t b = a + 1; b < std::size(outs); ++b)
       if (!outs[a].second->empty() && !outs[b].second->empty() &&
@@ -135,19 +159,29 @@ void run_attend(const AttendOptions& o) {
         throw Error(std::string(outs[b].first) + ": expected a path different from " + outs[a].first + ", got '" +
                     *outs[b].second + "' for both");
   if (o.distributed || o.simulate_ranks > 0) {
+    const std::pair<const char*, bool> refused[] = {
+        {"--sinks", !o.sinks.empty()}, {"--alibi-slopes", !o.alibi_slopes.empty()}, {"--keep-first", o.keep_first != 0}};
+    for (const auto& [flag, given] : refused)
+      if (given)
+        throw Error(std::string(flag) + ": not available with --distributed or --simulate-ranks (qkv::dist does not take " +
+                    "sinks, alibi_slopes or window_keep_first yet)");
     if (o.explain)
       throw Error("--explain: not available with --distributed or --simulate-ranks (each rank dispatches its own blocks)");
     return run_attend_distributed(o);
   }
-  const bool want_grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty();
+  const bool want_grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty() || !o.grad_sinks.empty();
   if (want_grads && o.grad_out.empty())
-    throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v, got none");
+    throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v/--grad-sinks, got none");
   if (!o.grad_out.empty() && !want_grads)
-    throw Error("--grad-out: expected at least one of --grad-q, --grad-k, --grad-v to write, got none");
+    throw Error("--grad-out: expected at least one of --grad-q, --grad-k, --grad-v, --grad-sinks to write, got none");
+  if (!o.grad_sinks.empty() && o.sinks.empty())
+    throw Error("--grad-sinks: expected --sinks (the sink logits whose gradient it is), got none");
+  ScoreFiles score_files;
   if (!o.cu_q.empty() || !o.cu_k.empty()) {
     AttentionParams p = attention_params(o);
     p.kernel = o.reference ? KernelKind::reference : KernelKind::automatic;
     p.num_threads = o.threads;
+    read_score_options(o, p, score_files);
     return run_attend_varlen(o, p, want_grads);
   }
   const bool bshd = o.layout == "bshd";
@@ -169,6 +203,7 @@ void run_attend(const AttendOptions& o) {
     try { lens = read_npy(o.kv_lens); } catch (const Error& e) { throw Error(std::string("--kv-lens: ") + e.what()); }
     p.kv_lens = lens.view();
   }
+  read_score_options(o, p, score_files);
 
   const std::int64_t B = q.size(0), Hq = q.size(1), Sq = q.size(2), Sk = k.size(2), Dv = v.size(3);
   const Shape out_shape = bshd ? Shape{B, Sq, Hq, Dv} : Shape{B, Hq, Sq, Dv};
@@ -183,7 +218,8 @@ void run_attend(const AttendOptions& o) {
   }
   // The gradients, float32 in the input layout: dQ like q, dK like k, dV like v.
   std::optional<NpyArray> dout_file;
-  std::optional<Tensor> dq, dk, dv;
+  std::optional<Tensor> dq, dk, dv, dz;
+  if (!o.grad_sinks.empty()) dz.emplace(DType::f32, Shape{Hq});
   if (want_grads) {
     dout_file = read_input("--grad-out", o.grad_out);
     auto like = [&](const TensorView& t) {
@@ -204,7 +240,10 @@ void run_attend(const AttendOptions& o) {
       print_explanations(passes);
     }
     attention(q, k, v, to_bhsd(out.view()), p, lse_view, probs_view);
-    if (want_grads)
+    if (want_grads && dz)
+      attention_backward(q, k, v, to_bhsd(out.view()), *lse_view, to_bhsd(dout_file->view()), to_bhsd(dq->view()),
+                         to_bhsd(dk->view()), to_bhsd(dv->view()), *dz, p);
+    else if (want_grads)
       attention_backward(q, k, v, to_bhsd(out.view()), *lse_view, to_bhsd(dout_file->view()), to_bhsd(dq->view()),
                          to_bhsd(dk->view()), to_bhsd(dv->view()), p);
   } catch (const Error& e) {
@@ -220,6 +259,7 @@ void run_attend(const AttendOptions& o) {
   if (!o.grad_q.empty()) write("--grad-q", o.grad_q, dq->view());
   if (!o.grad_k.empty()) write("--grad-k", o.grad_k, dk->view());
   if (!o.grad_v.empty()) write("--grad-v", o.grad_v, dv->view());
+  if (dz) write("--grad-sinks", o.grad_sinks, dz->view());
   write.files.commit();
 }
 
@@ -249,6 +289,12 @@ void add_attend(CLI::App& app) {
   cmd->add_option("--grad-q", o->grad_q, "write dQ, float32, the shape of q");
   cmd->add_option("--grad-k", o->grad_k, "write dK, float32, the shape of k");
   cmd->add_option("--grad-v", o->grad_v, "write dV, float32, the shape of v");
+  cmd->add_option("--sinks", o->sinks, "float32 [Hq] attention-sink logits z_h: a value-less extra logit in each row's softmax (gpt-oss)");
+  cmd->add_option("--alibi-slopes", o->alibi_slopes,
+                  "float32 [Hq] or [B,Hq] ALiBi slopes: score -= slope * |i + offset - j| (offset: the causal diagonal's)");
+  cmd->add_option("--keep-first", o->keep_first,
+                  "N >= 0: keys 0..N-1 join every row's window, right bound and masks still applying (StreamingLLM)");
+  cmd->add_option("--grad-sinks", o->grad_sinks, "write dL/dz of --sinks, float32 [Hq] (with --grad-out)");
   cmd->add_option("--cu-seqlens-q", o->cu_q,
                   "int32 [batch+1] prefix sums of the query tokens: q, out (and dO) are packed [total_q,H,X]");
   cmd->add_option("--cu-seqlens-k", o->cu_k, "int32 [batch+1] prefix sums of the keys: k, v are packed [total_k,Hkv,X]");

@@ -13,6 +13,9 @@ struct AttendOptions {
   std::string q, k, v, out, lse, probs, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
   bool layout_given = false;  // --layout on the command line, even as the default bhsd
   std::string grad_out, grad_q, grad_k, grad_v, cu_q, cu_k;
+  // Score options (AttentionParams::sinks, alibi_slopes, window_keep_first) and dL/dz.
+  std::string sinks, alibi_slopes, grad_sinks;
+  std::int64_t keep_first = 0;
   std::optional<double> scale;
   double softcap = 0.0;
   bool causal = false, reference = false;

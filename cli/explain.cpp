@@ -30,6 +30,8 @@ namespace {
 struct ExplainOptions {
   std::string q, k, v, x, wq, wk, wv, mask, kv_lens, layout = "bhsd", align = "bottom-right", window;
   std::string labels, labels_file, out_dir;
+  std::string sinks, alibi_slopes;  // score options (.npy) and --keep-first
+  std::int64_t keep_first = 0;
   std::string model, tokenizer, prompt;  // empty model/tokenizer: the default model (models.hpp)
   bool model_given = false, prompt_given = false;
   std::optional<int> layer;
@@ -336,6 +338,18 @@ void run_explain(const ExplainOptions& o) {
     lens = read("--kv-lens", o.kv_lens);
     p.kv_lens = lens.view();
   }
+  NpyArray sinks, slopes;
+  if (!o.sinks.empty()) {
+    sinks = read("--sinks", o.sinks);
+    p.sinks = sinks.view();
+  }
+  if (!o.alibi_slopes.empty()) {
+    slopes = read("--alibi-slopes", o.alibi_slopes);
+    p.alibi_slopes = slopes.view();
+  }
+  if (o.keep_first < 0)
+    throw Error("--keep-first: expected an integer >= 0 (0 = off), got " + std::to_string(o.keep_first));
+  p.window_keep_first = o.keep_first;
 
   const explain::Trace t = explain::trace_attention(q, k, v, p);
   const std::vector<std::string> labels = read_labels(o);
@@ -363,16 +377,27 @@ void run_explain(const ExplainOptions& o) {
     outputs.npy_files(o.out_dir, files);
   }
   const std::int64_t hb = o.batch.value_or(0);
+  // With sinks, one more column after the keys: the sink's share of each row ("sink").
+  const bool sink_column = !t.sink_weights.empty();
+  Tensor with_sink;
+  std::vector<std::string> col_labels = labels;
+  if (sink_column) {
+    with_sink = explain::head_weights_with_sink(t, hb);
+    if (col_labels.empty())
+      for (std::int64_t j = 0; j < t.Sk; ++j) col_labels.push_back(std::to_string(j));
+    col_labels.push_back("sink");
+  }
+  const std::int64_t cols = sink_column ? t.Sk + 1 : t.Sk;
   for (const auto& path : o.heatmaps) {
-    TensorView w = explain::head_weights(t, hb);
+    TensorView w = sink_column ? with_sink.view() : explain::head_weights(t, hb);
     explain::HeatmapOptions ho;
-    ho.title = "attention weights, batch " + std::to_string(hb);
+    ho.title = "attention weights, batch " + std::to_string(hb) + (sink_column ? " (last column: the sink's share)" : "");
     if (o.head) {
-      w = TensorView(static_cast<double*>(w.data()) + *o.head * t.Sq * t.Sk, DType::f64, {1, t.Sq, t.Sk});
+      w = TensorView(static_cast<double*>(w.data()) + *o.head * t.Sq * cols, DType::f64, {1, t.Sq, cols});
       ho.panel_titles = {"head " + std::to_string(*o.head)};
     }
     outputs.write("--heatmap", path, [&](const std::filesystem::path& to) {
-      explain::write_heatmap(to, w, explain::query_labels(t, labels, hb), labels, ho);
+      explain::write_heatmap(to, w, explain::query_labels(t, labels, hb), col_labels, ho);
     });
   }
   outputs.commit();
@@ -387,10 +412,14 @@ void run_explain(const ExplainOptions& o) {
                 t.align == Alignment::bottom_right ? "bottom-right" : "top-left");
   if (t.has_mask) std::printf(", %s mask", t.additive_mask ? "additive" : "bool");
   if (p.kv_lens) std::printf(", kv_lens");
+  if (!t.sinks.empty()) std::printf(", sinks");
+  if (!t.alibi_slopes.empty()) std::printf(", alibi");
+  if (t.keep_first > 0) std::printf(", keep first %" PRId64, t.keep_first);
   std::printf(
-      "\nsteps: 1. q.k = q_i . k_j   2. x scale = scale * q.k%s%s   3. masks: excluded keys get -inf\n"
-      "       4. weight = softmax over the row of the logits   5. z_i = sum_j weight_j v_j\n\n",
-      t.softcap > 0 ? ", softcap = c*tanh(s/c)" : "", t.additive_mask ? ", + mask" : "");
+      "\nsteps: 1. q.k = q_i . k_j   2. x scale = scale * q.k%s%s%s   3. masks: excluded keys get -inf\n"
+      "       4. weight = softmax over the row of the logits%s   5. z_i = sum_j weight_j v_j\n\n",
+      t.softcap > 0 ? ", softcap = c*tanh(s/c)" : "", t.alibi_slopes.empty() ? "" : ", + alibi = -slope*|diag-j|",
+      t.additive_mask ? ", + mask" : "", t.sinks.empty() ? "" : " (and the sink z_h, which has no value)");
   print_rows(t, o, labels);
   outputs.print();
 }
@@ -423,6 +452,9 @@ void add_explain(CLI::App& app) {
                   "bool (true = attend) or additive float mask, broadcastable to [B,Hq,Sq,Sk]");
   cmd->add_option("--kv-lens", o->kv_lens, "int32/int64 [B] key lengths");
   cmd->add_option("--softcap", o->softcap, "softcap c > 0: score = c*tanh(score/c)");
+  cmd->add_option("--sinks", o->sinks, "float32 [Hq] attention-sink logits; the heatmap gains a 'sink' column");
+  cmd->add_option("--alibi-slopes", o->alibi_slopes, "float32 [Hq] or [B,Hq] ALiBi slopes");
+  cmd->add_option("--keep-first", o->keep_first, "N >= 0: keys 0..N-1 join every row's window (StreamingLLM)");
   cmd->add_option("--query", o->query, "print only query row i (default: all rows)");
   cmd->add_option("--head", o->head, "print (and draw) only query head h (default: all heads)");
   cmd->add_option("--batch", o->batch, "print only batch b; the heatmap shows batch b (default 0)");

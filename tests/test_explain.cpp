@@ -296,6 +296,46 @@ TEST(ExplainTrace, TopKeysQueryLabelsAndRowText) {
   EXPECT_THROW(explain::top_keys(t, 0, 0, 3, 1), Error);
 }
 
+TEST(ExplainTrace, SinkShareIsAColumnAndRowsSumToOne) {
+  std::mt19937_64 rng(5);
+  const Tensor q = random_tensor(DType::f64, {2, 2, 3, 4}, rng), k = random_tensor(DType::f64, {2, 1, 5, 4}, rng),
+               v = random_tensor(DType::f64, {2, 1, 5, 3}, rng);
+  float z[2] = {0.5f, -2.0f}, slopes[2] = {0.25f, 0.5f};
+  std::int64_t lens[2] = {5, 0};  // batch 1: no key, the sink takes every row
+  AttentionParams p;
+  p.causal = true;
+  p.sinks = TensorView(z, DType::f32, {2});
+  p.alibi_slopes = TensorView(slopes, DType::f32, {2});
+  p.kv_lens = TensorView(lens, DType::i64, {2});
+  const explain::Trace t = explain::trace_attention(q, k, v, p);
+  // The trace's weights and output are the reference's.
+  Tensor out(DType::f64, {2, 2, 3, 3}), lse(DType::f64, {2, 2, 3});
+  reference::attention(q, k, v, out, p, lse.view());
+  for (std::int64_t e = 0; e < out.numel(); ++e) EXPECT_EQ(t.output[static_cast<std::size_t>(e)], out.data_as<double>()[e]);
+  for (std::int64_t b = 0; b < 2; ++b) {
+    const Tensor w = explain::head_weights_with_sink(t, b);
+    ASSERT_EQ(w.shape(), (Shape{2, 3, 6}));
+    for (std::int64_t r = 0; r < 2 * 3; ++r) {
+      double sum = 0;
+      for (std::int64_t j = 0; j < 6; ++j) sum += w.data_as<double>()[r * 6 + j];
+      EXPECT_NEAR(sum, 1.0, 1e-14) << b << " " << r;
+      const double lse_r = lse.data_as<double>()[b * 6 + r];
+      EXPECT_NEAR(w.data_as<double>()[r * 6 + 5], std::exp(z[r / 3] - lse_r), 1e-14);
+    }
+  }
+  EXPECT_EQ(explain::head_weights_with_sink(t, 1).data_as<double>()[5], 1.0);
+  const std::string row = explain::format_row(t, 0, 1, 2);
+  EXPECT_NE(row.find("+ alibi"), std::string::npos) << row;
+  EXPECT_NE(row.find("sink"), std::string::npos) << row;
+  EXPECT_NE(row.find("sum of weights (sink included) = 1;"), std::string::npos) << row;
+  // The heatmap of the weights with the sink: one more column, labelled.
+  const Tensor w = explain::head_weights_with_sink(t, 0);
+  const std::string svg =
+      explain::heatmap_svg(w.view(), {"a", "b", "c"}, {"0", "1", "2", "3", "4", "sink"});
+  EXPECT_NE(svg.find(">sink</text>"), std::string::npos);
+  EXPECT_THROW(explain::head_weights_with_sink(t, 2), Error);
+}
+
 TEST(ExplainTrace, RejectsBadArguments) {
   std::mt19937_64 rng(1);
   const Tensor q = random_tensor(DType::f32, {1, 1, 3, 4}, rng),

@@ -33,6 +33,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "qkv/tensor.hpp"
 
@@ -76,20 +77,51 @@ struct AttentionParams {
   /// Threads used inside the call; 0 = OpenMP's default (OMP_NUM_THREADS or all cores). Results
   /// do not depend on it. Set 1 when calling from many application threads (docs/threads.md).
   int num_threads = 0;
+  /// Attention sinks (gpt-oss model card, 2025; Xiao et al. 2023, "Efficient Streaming Language
+  /// Models with Attention Sinks", sec. 3): optional float32 [Hq], contiguous, finite: one learned
+  /// logit z_h per query head that joins every row's softmax denominator and adds no value:
+  ///   p_ij = exp(s_ij - m) / (exp(z_h - m) + sum_j exp(s_ij - m)),  m = max(z_h, max_j s_ij),
+  ///   O_i = sum_j p_ij v_j,  softmax_lse_i = log(exp(z_h) + sum_j exp(s_ij)).
+  /// z_h is not scaled, softcapped or masked. A row whose keys are all excluded gives O_i = 0
+  /// and softmax_lse_i = z_h. attention_backward() can return dL/dz (its grad_sinks overload).
+  std::optional<TensorView> sinks;
+  /// ALiBi (Press et al. 2022, "Train Short, Test Long", sec. 3): optional float32 slopes [Hq]
+  /// (every batch) or [B, Hq] (packed calls: B = the number of sequences), contiguous, finite
+  /// (any sign; alibi_slopes() gives the standard ones). The bias b_ij = -slope * |i + offset - j|
+  /// is added after scaling and softcap, before masks, with offset the causal diagonal's:
+  /// bottom_right Sk - Sq (per sequence, its own key length: kv_lens, packed and paged calls),
+  /// top_left 0; FlashAttention-2's `alibi_slopes` convention. The bias has no gradient.
+  std::optional<TensorView> alibi_slopes;
+  /// StreamingLLM (Xiao et al. 2023, sec. 3.2): keys 0 .. window_keep_first - 1 are admissible
+  /// to every query besides the window's keys, unless the right bound (causal, window_right),
+  /// the key length or a mask excludes them: it extends the window's left side only. 0 = off;
+  /// must be >= 0.
+  std::int64_t window_keep_first = 0;
 };
+
+/// The standard ALiBi slopes of `num_heads` heads (Press et al. 2022, sec. 3; BLOOM's
+/// build_alibi_tensor): for a power of two n, 2^(-8 i / n) for i = 1 .. n; otherwise the slopes
+/// of the largest power of two c < n, then every other slope of 2c heads (2^(-4 (2 i - 1) / c),
+/// i = 1 .. n - c). E.g. n = 8: 1/2, 1/4, ..., 1/256; n = 1: 1/256.
+/// @throws qkv::Error for num_heads < 0 (0 gives no slope).
+std::vector<float> alibi_slopes(std::int64_t num_heads);
 
 /// Computes attention into `out` (and optionally softmax_lse and probs).
 ///
 /// Semantics, per (b, h, i): the admissible keys are those j < len[b] (or Sk) inside the window
-/// around the diagonal and not excluded by the mask; s_j = scale * q_i.k_j, then softcap, then
-/// the additive mask; O_i = sum_j softmax(s)_j v_j over admissible j. A row with no admissible
-/// key gives O_i = 0 and softmax_lse = -inf. Keys excluded by causal, window or key lengths are
+/// around the diagonal (or among the first window_keep_first keys, left of it) and not excluded
+/// by the mask; s_j = scale * q_i.k_j, then softcap, then the ALiBi bias, then the additive
+/// mask; O_i = sum_j softmax(s)_j v_j over admissible j, the sink's logit (if any) in the
+/// softmax's denominator. A row with no admissible key gives O_i = 0 and softmax_lse = -inf
+/// (with sinks: z_h). Keys excluded by causal, window or key lengths are
 /// never read, so NaN or inf stored there cannot leak into any row.
 ///
 /// @throws qkv::Error naming the argument and the expected and actual shape or value, for:
 ///   a rank other than 4, a non-contiguous last dimension, mismatched B/D/Sk/Dv, Hq % Hkv != 0,
 ///   unsupported or mismatched dtypes, a mask not broadcastable to [B,Hq,Sq,Sk], key lengths
-///   out of [0, Sk], a non-finite scale, a negative softcap, a window side < -1, an output
+///   out of [0, Sk], a non-finite scale, a negative softcap, a window side < -1, sinks or
+///   alibi_slopes not float32, not [Hq] (or [B, Hq] for the slopes), not contiguous or not
+///   finite, a window_keep_first < 0, an output
 ///   overlapping an input (q, k, v, mask) or another output, an output with a zero stride on
 ///   an axis of size > 1, a null data pointer for a non-empty operand, a shape or stride extent
 ///   that overflows int64, num_threads < 0, or a forced kernel that cannot run this call.

@@ -50,6 +50,20 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
                         const AttentionParams& params = {});
 
+/// attention_backward() that also writes grad_sinks = dL/dz, float32 [Hq], contiguous (written,
+/// not accumulated), for params.sinks (AttentionParams::sinks): with P_i,sink = exp(z_h - lse_i)
+/// the sink's weight in row i and D_i = rowsum(dO_i * O_i),
+///   dz_h = - sum over the batch and the rows i of head h of P_i,sink D_i,
+/// summed in float64 in the order b, i (the same bits for every thread count). The sink adds
+/// no value, so dQ, dK, dV are those of the overload above (which takes sinks too and skips
+/// dz). Source: the softmax's derivative with a value-less extra logit (gpt-oss model card).
+/// @throws qkv::Error as the overload above, and for grad_sinks given without params.sinks, not
+///   float32 [Hq], not contiguous, or overlapping another operand.
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                        const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                        const TensorView& grad_sinks, const AttentionParams& params);
+
 /// Which kernel attention_backward() would run for exactly these arguments (shapes and dtypes
 /// as above) and why not the others: one line per backward kernel, in priority order, as
 /// explain_dispatch() of attention.hpp says them:
@@ -62,5 +76,10 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                              const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
                              const TensorView& grad_k, const TensorView& grad_v, const AttentionParams& params = {});
+/// The same for the grad_sinks overload of attention_backward().
+std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                             const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
+                             const AttentionParams& params);
 
 }  // namespace qkv

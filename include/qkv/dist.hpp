@@ -22,6 +22,9 @@
 /// params.mask is the global mask, broadcastable to [B, Hq, seqlen_q, seqlen_k], present on
 /// every rank (each block reads its slice). Results are bitwise those of simulate_ring_attention
 /// (the same block schedule run in one process), for every number of threads.
+/// Not taken yet: params.sinks, params.alibi_slopes and params.window_keep_first (the merges know
+/// no sink term, bias or kept keys): every function here throws qkv::Error naming the option
+/// ("sinks: expected none (qkv::dist does not take attention sinks yet; ...)") on every rank.
 ///
 /// Requires MPI_Init (MPI_THREAD_FUNNELED suffices); every rank of `comm` calls collectively.
 

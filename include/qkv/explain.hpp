@@ -15,7 +15,8 @@
 ///   3. masks   [B,Hq,Sq,Sk]  why a key is excluded (causal/window, key length, explicit mask);
 ///                            excluded entries are -inf in scores and scaled
 ///   4. weights [B,Hq,Sq,Sk]  alpha_ij = softmax_j(scaled_ij); 0 where excluded; each row sums to
-///                            1 (a row with no admissible key is all 0)
+///                            1 (a row with no admissible key is all 0); with sinks the row's
+///                            sink weight (sink_weights) makes up the rest of 1
 ///   5. output  [B,Hq,Sq,Dv]  z_i = sum_j alpha_ij v_j  (equals qkv::attention's out)
 /// plus softmax_lse [B,Hq,Sq] (natural log; -inf for an empty row).
 ///
@@ -72,6 +73,13 @@ struct Trace {
   std::vector<double> weights;    ///< [B,Hq,Sq,Sk] alpha_ij; 0 where excluded
   std::vector<double> output;     ///< [B,Hq,Sq,Dv] z_i
   std::vector<double> lse;        ///< [B,Hq,Sq] softmax_lse, natural log
+  /// Score options (AttentionParams): the sink logits z_h [Hq] and each row's sink weight
+  /// exp(z_h - lse) [B,Hq,Sq] (both empty without sinks); the ALiBi slopes per (b, h) [B,Hq]
+  /// (empty without), whose bias -slope |diag - j| is in `scaled`; window_keep_first.
+  std::vector<double> sinks;
+  std::vector<double> sink_weights;
+  std::vector<double> alibi_slopes;
+  std::int64_t keep_first = 0;
 
   std::int64_t at(std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) const noexcept {
     return ((b * Hq + h) * Sq + i) * Sk + j;
@@ -103,6 +111,12 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
 /// The weights of batch b as a float64 [Hq, Sq, Sk] view into the trace (for the heatmaps).
 /// @throws qkv::Error if b is out of [0, B).
 TensorView head_weights(const Trace& trace, std::int64_t b);
+
+/// The weights of batch b with the sinks' share as one more key column: float64 [Hq, Sq, Sk + 1],
+/// column Sk the sink weight exp(z_h - lse) (0 without sinks), so that every row with an
+/// admissible key or a sink sums to 1 (the heatmap's "sink" column).
+/// @throws qkv::Error if b is out of [0, B).
+Tensor head_weights_with_sink(const Trace& trace, std::int64_t b);
 
 /// One key and its weight.
 struct KeyWeight {

@@ -4,7 +4,7 @@
 ///
 /// float64, plain loops, no SIMD, no threads: the five steps in the order of
 /// Vaswani et al. 2017, sec. 3.2.1: (1) scores q_i.k_j, (2) scaling, then the options (softcap,
-/// masks), (3) row softmax, (4) weighted sum of the values. Every option of AttentionParams is
+/// ALiBi, masks), (3) row softmax, (4) weighted sum of the values. Every option of AttentionParams is
 /// implemented literally. It is the judge of every fast kernel; see docs/semantics.md.
 
 #include <optional>
@@ -27,5 +27,11 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
                         const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
                         const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
                         const AttentionParams& params = {});
+/// The same, also writing grad_sinks = dL/dz (float32 [Hq]) for params.sinks, as the grad_sinks
+/// overload of qkv::attention_backward() (backward.hpp).
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                        const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                        const TensorView& grad_sinks, const AttentionParams& params);
 
 }  // namespace qkv::reference

@@ -19,6 +19,8 @@
 /// qkv::attention with Sq = cu_q[b+1] - cu_q[b] and Sk = cu_k[b+1] - cu_k[b], and every option
 /// of AttentionParams applies to each sequence on its own: scale, softcap, causal and window in
 /// both alignments (bottom_right: the last query of a sequence sits at its last key), GQA.
+/// sinks [Hq], alibi_slopes ([Hq] or [batch, Hq]: one row per sequence) and window_keep_first
+/// apply to each sequence as to one qkv::attention call (the reference runs them).
 /// Not accepted: mask and kv_lens (a sequence's keys are its range of cu_seqlens_k).
 /// A sequence with no query does nothing; one with no key gives out = 0, softmax_lse = -inf.
 ///
@@ -75,6 +77,14 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
                                const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
                                const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
                                const AttentionParams& params = {});
+/// attention_varlen_backward() that also writes grad_sinks = dL/dz, float32 [Hq] (written), for
+/// params.sinks: as attention_backward()'s grad_sinks overload, summed over the sequences in
+/// order. @throws qkv::Error as that overload.
+void attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                               const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                               const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                               const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
+                               const TensorView& grad_sinks, const AttentionParams& params);
 
 /// Attention of new query tokens over paged keys and values (vLLM's layout):
 ///   q            [total_q, Hq, D]                 float32 | float16 | bfloat16

@@ -23,4 +23,22 @@ std::string explain_dispatch(const TensorView& q, const TensorView& k, const Ten
   return detail::explain_call(detail::Call::backward(bp, params));
 }
 
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                        const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
+                        const AttentionParams& params) {
+  const detail::BackwardProblem bp =
+      detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, grad_sinks, params);
+  detail::run_call(detail::Call::backward(bp, params));
+}
+
+std::string explain_dispatch(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                             const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
+                             const AttentionParams& params) {
+  const detail::BackwardProblem bp =
+      detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, grad_sinks, params);
+  return detail::explain_call(detail::Call::backward(bp, params));
+}
+
 }  // namespace qkv

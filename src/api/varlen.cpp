@@ -39,9 +39,9 @@ std::string varlen_backward(bool explain, const TensorView& q, const TensorView&
                             const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
                             const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
                             const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
-                            const AttentionParams& params) {
+                            const AttentionParams& params, const TensorView* grad_sinks = nullptr) {
   const detail::VarlenBackwardProblem vbp = detail::lower_varlen_backward(
-      q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, cu_seqlens_q, cu_seqlens_k, params);
+      q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, cu_seqlens_q, cu_seqlens_k, params, grad_sinks);
   return run_or_explain(detail::Call::varlen_backward(vbp, params), explain);
 }
 
@@ -65,6 +65,15 @@ void attention_varlen_backward(const TensorView& q, const TensorView& k, const T
                                const TensorView& cu_seqlens_k, const AttentionParams& params) {
   varlen_backward(false, q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, cu_seqlens_q, cu_seqlens_k,
                   params);
+}
+
+void attention_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                               const TensorView& grad_k, const TensorView& grad_v, const TensorView& cu_seqlens_q,
+                               const TensorView& cu_seqlens_k, const TensorView& grad_sinks,
+                               const AttentionParams& params) {
+  varlen_backward(false, q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, cu_seqlens_q, cu_seqlens_k,
+                  params, &grad_sinks);
 }
 
 void attention_paged(const TensorView& q, const TensorView& k_pool, const TensorView& v_pool, const TensorView& out,

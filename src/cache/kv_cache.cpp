@@ -209,10 +209,16 @@ void KVCache::attend_sequences(const TensorView& q, const TensorView& out, const
                       {Hq, n}, {softmax_lse->stride(1), softmax_lse->stride(2)});
     std::int32_t cq[2] = {0, static_cast<std::int32_t>(n)}, ck[2] = {0, static_cast<std::int32_t>(len)};
     const TensorView cu_q(cq, DType::i32, {2}), cu_k(ck, DType::i32, {2});
+    // [B, Hq] ALiBi slopes: the sequence's own row, as the [Hq] slopes of its one-sequence call.
+    AttentionParams pb = params;
+    if (params.alibi_slopes && params.alibi_slopes->rank() == 2 && params.alibi_slopes->size(0) == B_) {
+      const TensorView& a = *params.alibi_slopes;
+      pb.alibi_slopes = TensorView(at(a, b * a.stride(0)), a.dtype(), {a.size(1)}, {a.stride(1)});
+    }
     if (explain)
-      (void)explain_dispatch(qb, sequence_keys(b), sequence_values(b), ob, cu_q, cu_k, params, lb);
+      (void)explain_dispatch(qb, sequence_keys(b), sequence_values(b), ob, cu_q, cu_k, pb, lb);
     else
-      attention_varlen(qb, sequence_keys(b), sequence_values(b), ob, cu_q, cu_k, params, lb);
+      attention_varlen(qb, sequence_keys(b), sequence_values(b), ob, cu_q, cu_k, pb, lb);
   };
   // Nothing is written unless every call will run: the calls' checks first (each sequence's when
   // a kernel is forced, since it may refuse one sequence and not another; otherwise the first's,

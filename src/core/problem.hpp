@@ -44,6 +44,16 @@ struct Problem {
   Alignment align = Alignment::bottom_right;
   std::vector<std::int64_t> kv_lens;       // empty = Sk for every batch
   int num_threads = 0;                     // 0 = OpenMP default
+  // Score options that only the reference takes yet (the fast kernels' gates refuse them).
+  std::vector<double> sinks;               // [Hq] sink logits z_h; empty = none
+  std::vector<double> alibi;               // ALiBi slopes, slope(b, h) = alibi[b * alibi_sb + h]; empty = none
+  std::int64_t alibi_sb = 0;               // 0 ([Hq] slopes) or Hq ([B, Hq])
+  std::int64_t keep_first = 0;             // StreamingLLM: keys [0, keep_first) join every window
+
+  bool has_score_options() const noexcept { return !sinks.empty() || !alibi.empty() || keep_first > 0; }
+  double slope(std::int64_t b, std::int64_t h) const noexcept {
+    return alibi[static_cast<std::size_t>(b * alibi_sb + h)];
+  }
 
   std::int64_t group() const noexcept { return Hkv ? Hq / Hkv : 1; }
   std::int64_t kv_head(std::int64_t h) const noexcept { return h / group(); }
@@ -62,6 +72,15 @@ struct Problem {
     hi = window_right < 0 ? len : std::min<std::int64_t>(len, d + window_right + 1);
     if (hi < lo) hi = lo;
   }
+  /// key_range's [lo, hi) and, with keep_first, the first keys [0, first_hi) that row (b, i)
+  /// admits too: those below the right bound and the key length (first_hi <= hi unless hi = lo).
+  void key_ranges(std::int64_t b, std::int64_t i, std::int64_t& lo, std::int64_t& hi,
+                  std::int64_t& first_hi) const noexcept {
+    const std::int64_t len = key_len(b), d = diag(b, i);
+    const std::int64_t right = window_right < 0 ? len : std::min<std::int64_t>(len, d + window_right + 1);
+    first_hi = std::max<std::int64_t>(0, std::min(keep_first, right));
+    key_range(b, i, lo, hi);
+  }
 };
 
 /// The lowered form of one backward call (validate.cpp, lower_attention_backward). `fwd` holds
@@ -71,6 +90,7 @@ struct BackwardProblem {
   Problem fwd;
   Operand dout;              // dO [B,Hq,Sq,Dv]
   OutOperand dq, dk, dv;     // [B,Hq,Sq,D], [B,Hkv,Sk,D], [B,Hkv,Sk,Dv]
+  OutOperand dsinks;         // dL/dz [Hq] (sx: its stride), written when data is set
 };
 
 }  // namespace qkv::detail

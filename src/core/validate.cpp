@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "qkv/error.hpp"
 #include "tensor/convert.hpp"
@@ -118,6 +120,54 @@ OutOperand lower_out(const TensorView& t) {
 }
 
 }  // namespace
+
+namespace {
+
+// A float32, contiguous, finite vector (or [B, Hq] table) of per-head values, read into float64.
+std::vector<double> read_head_values(const TensorView& t, const char* name, const char* want) {
+  if (t.dtype() != DType::f32)
+    throw Error(std::string(name) + ": expected dtype float32, got " + std::string(dtype_name(t.dtype())));
+  check_sizes(t, name);
+  check_data(t, name);
+  if (!t.is_contiguous())
+    throw Error(std::string(name) + ": expected a contiguous tensor " + want + ", got strides " + shape_str(t.strides()) +
+                " with shape " + shape_str(t.shape()));
+  const float* x = t.data_as<const float>();
+  std::vector<double> out(static_cast<std::size_t>(t.numel()));
+  for (std::size_t e = 0; e < out.size(); ++e) {
+    if (!std::isfinite(x[e]))
+      throw Error(std::string(name) + ": expected finite values, got " + std::to_string(x[e]) + " at index " + std::to_string(e));
+    out[e] = x[e];
+  }
+  return out;
+}
+
+}  // namespace
+
+void lower_alibi(Problem& p, const TensorView& slopes, std::int64_t batch) {
+  const bool per_head = slopes.rank() == 1 && slopes.size(0) == p.Hq;
+  const bool per_batch = slopes.rank() == 2 && slopes.size(0) == batch && slopes.size(1) == p.Hq;
+  if (!per_head && !per_batch)
+    throw Error("alibi_slopes: expected shape [Hq] = " + shape_str({p.Hq}) + " or [B,Hq] = " + shape_str({batch, p.Hq}) +
+                ", got " + shape_str(slopes.shape()));
+  p.alibi = read_head_values(slopes, "alibi_slopes", per_head ? "[Hq]" : "[B,Hq]");
+  p.alibi_sb = per_head ? 0 : p.Hq;
+}
+
+void lower_score_options(Problem& p, const AttentionParams& params, std::int64_t batch) {
+  if (params.sinks) {
+    const TensorView& z = *params.sinks;
+    if (z.rank() != 1 || z.size(0) != p.Hq)
+      throw Error("sinks: expected shape [Hq] = " + shape_str({p.Hq}) + ", got " + shape_str(z.shape()));
+    p.sinks = read_head_values(z, "sinks", "[Hq]");
+  }
+  if (params.alibi_slopes) lower_alibi(p, *params.alibi_slopes, batch);
+  if (params.window_keep_first < 0)
+    throw Error("window_keep_first: expected >= 0 (0 = off), got " + std::to_string(params.window_keep_first));
+  // Not clamped to Sk: packed and paged calls lower their options before their keys are known;
+  // the kernels only compare it with key positions (Problem::key_ranges).
+  p.keep_first = params.window_keep_first;
+}
 
 void check_rank4(const TensorView& t, const char* name, const char* axes) {
   if (t.rank() != 4)
@@ -274,6 +324,7 @@ Problem lower_attention(const TensorView& q, const TensorView& k, const TensorVi
       p.kv_lens[static_cast<std::size_t>(b)] = len;
     }
   }
+  lower_score_options(p, params, p.B);
   return p;
 }
 
@@ -322,6 +373,39 @@ BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& 
     if (params.kv_lens) check_no_overlap(*grads[a].t, grads[a].name, *params.kv_lens, "kv_lens");
     for (std::size_t b = a + 1; b < 3; ++b) check_no_overlap(*grads[b].t, grads[b].name, *grads[a].t, grads[a].name);
   }
+  return bp;
+}
+
+void lower_grad_sinks(BackwardProblem& bp, const TensorView& grad_sinks, const AttentionParams& params,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others) {
+  const std::int64_t Hq = bp.fwd.Hq;
+  if (!params.sinks)
+    throw Error("grad_sinks: expected params.sinks to be given (grad_sinks is the gradient of the sink logits), got none");
+  if (grad_sinks.rank() != 1 || grad_sinks.size(0) != Hq)
+    throw Error("grad_sinks: expected shape [Hq] = " + shape_str({Hq}) + ", got " + shape_str(grad_sinks.shape()));
+  if (grad_sinks.dtype() != DType::f32)
+    throw Error("grad_sinks: expected dtype float32, got " + std::string(dtype_name(grad_sinks.dtype())));
+  check_sizes(grad_sinks, "grad_sinks");
+  check_data(grad_sinks, "grad_sinks");
+  if (!grad_sinks.is_contiguous())
+    throw Error("grad_sinks: expected a contiguous tensor [Hq], got stride " + shape_str(grad_sinks.strides()));
+  for (const auto& [t, n] : others) check_no_overlap(grad_sinks, "grad_sinks", *t, n);
+  check_no_overlap(grad_sinks, "grad_sinks", *params.sinks, "sinks");
+  if (params.alibi_slopes) check_no_overlap(grad_sinks, "grad_sinks", *params.alibi_slopes, "alibi_slopes");
+  if (params.mask) check_no_overlap(grad_sinks, "grad_sinks", *params.mask, "mask");
+  if (params.kv_lens) check_no_overlap(grad_sinks, "grad_sinks", *params.kv_lens, "kv_lens");
+  bp.dsinks = {grad_sinks.data(), DType::f32, 0, 0, 0, 1};
+}
+
+BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                         const TensorView& out, const TensorView& softmax_lse,
+                                         const TensorView& grad_out, const TensorView& grad_q,
+                                         const TensorView& grad_k, const TensorView& grad_v,
+                                         const TensorView& grad_sinks, const AttentionParams& params) {
+  BackwardProblem bp = lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, params);
+  lower_grad_sinks(bp, grad_sinks, params,
+                   {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                    {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
   return bp;
 }
 

@@ -1,6 +1,8 @@
 #pragma once
 // Argument checks of the public attention entry points and lowering to detail::Problem.
+#include <initializer_list>
 #include <optional>
+#include <utility>
 
 #include "core/problem.hpp"
 
@@ -36,5 +38,26 @@ BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& 
                                          const TensorView& grad_out, const TensorView& grad_q,
                                          const TensorView& grad_k, const TensorView& grad_v,
                                          const AttentionParams& params);
+
+/// The score options of `params` (sinks, alibi_slopes, window_keep_first) checked and lowered
+/// into `p` (whose Hq and Sk are set): sinks float32 [Hq]; alibi_slopes float32 [Hq] or
+/// [batch, Hq]; both contiguous and finite; window_keep_first >= 0. lower_attention calls it
+/// with batch = B; packed calls with their number of sequences (lower_alibi alone, after
+/// lowering the rest without the slopes).
+void lower_score_options(Problem& p, const AttentionParams& params, std::int64_t batch);
+void lower_alibi(Problem& p, const TensorView& slopes, std::int64_t batch);
+
+/// lower_attention_backward, then grad_sinks through lower_grad_sinks (the grad_sinks overloads
+/// of qkv::attention_backward and qkv::reference::attention_backward).
+BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                         const TensorView& out, const TensorView& softmax_lse,
+                                         const TensorView& grad_out, const TensorView& grad_q,
+                                         const TensorView& grad_k, const TensorView& grad_v,
+                                         const TensorView& grad_sinks, const AttentionParams& params);
+
+/// grad_sinks of the backward's sinks overloads checked (params.sinks given, float32 [Hq],
+/// contiguous, disjoint from `others` and from the options' tensors) and set in bp.dsinks.
+void lower_grad_sinks(BackwardProblem& bp, const TensorView& grad_sinks, const AttentionParams& params,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others);
 
 }  // namespace qkv::detail

@@ -102,6 +102,14 @@ void refuse_per_batch_options(const AttentionParams& params, const char* fn) {
                 shape_str(params.kv_lens->shape()));
 }
 
+// The options without the ALiBi slopes: lower_attention sees a B = 1 view of a packed call, whose
+// [batch, Hq] slopes lower_alibi checks once the batch is known.
+AttentionParams without_alibi(const AttentionParams& params) {
+  AttentionParams p = params;
+  p.alibi_slopes.reset();
+  return p;
+}
+
 }  // namespace
 
 VarlenProblem lower_varlen(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
@@ -123,11 +131,12 @@ VarlenProblem lower_varlen(const TensorView& q, const TensorView& k, const Tenso
   VarlenProblem vp;
   std::optional<TensorView> lse4;
   if (softmax_lse) lse4 = as_bhs(*softmax_lse);
-  vp.p = lower_attention(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(out), params, lse4, std::nullopt);
+  vp.p = lower_attention(as_bhsd(q), as_bhsd(k), as_bhsd(v), as_bhsd(out), without_alibi(params), lse4, std::nullopt);
   vp.cu_q = read_cu(cu_seqlens_q, "cu_seqlens_q", -1, q.size(0), "total_q");
   vp.cu_k = read_cu(cu_seqlens_k, "cu_seqlens_k", static_cast<std::int64_t>(vp.cu_q.size()), k.size(0), "total_k");
   vp.seq_k.resize(vp.cu_q.size() - 1);
   for (std::size_t b = 0; b < vp.seq_k.size(); ++b) vp.seq_k[b] = vp.cu_k[b + 1] - vp.cu_k[b];
+  if (params.alibi_slopes) lower_alibi(vp.p, *params.alibi_slopes, vp.batch());
   for (const TensorView* cu : {&cu_seqlens_q, &cu_seqlens_k}) {
     const char* n = cu == &cu_seqlens_q ? "cu_seqlens_q" : "cu_seqlens_k";
     check_no_overlap(out, "out", *cu, n);
@@ -179,7 +188,7 @@ VarlenProblem lower_paged_impl(const TensorView& q, const TensorView& k_pool, co
   std::optional<TensorView> lse4;
   if (softmax_lse) lse4 = as_bhs(*softmax_lse);
   VarlenProblem vp;
-  vp.p = lower_attention(as_bhsd(q), k0, v0, as_bhsd(out), params, lse4, std::nullopt);
+  vp.p = lower_attention(as_bhsd(q), k0, v0, as_bhsd(out), without_alibi(params), lse4, std::nullopt);
   Problem& p = vp.p;
   p.Sk = k_pool.size(0) * k_pool.size(2);
   p.k = {k_pool.data(), pd, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2)};
@@ -189,6 +198,7 @@ VarlenProblem lower_paged_impl(const TensorView& q, const TensorView& k_pool, co
   vp.cu_q = read_cu(cu_seqlens_q, "cu_seqlens_q", -1, q.size(0), "total_q");
   const std::int64_t batch = static_cast<std::int64_t>(vp.cu_q.size()) - 1;
   vp.seq_k = read_i32(seq_lens, "seq_lens", "[batch]", batch);
+  if (params.alibi_slopes) lower_alibi(p, *params.alibi_slopes, batch);
   if (block_table.rank() != 2 || block_table.size(0) != batch)
     throw Error("block_table: expected a 2-D int32 tensor [batch,max_blocks] with batch = " + str(batch) + ", got shape " +
                 shape_str(block_table.shape()));
@@ -298,7 +308,7 @@ VarlenProblem lower_varlen(const TensorView& q, const QuantizedKV& k, const Quan
   std::optional<TensorView> lse4;
   if (softmax_lse) lse4 = as_bhs(*softmax_lse);
   VarlenProblem vp;
-  vp.p = lower_attention(as_bhsd(q), k0, v0, as_bhsd(out), params, lse4, std::nullopt);
+  vp.p = lower_attention(as_bhsd(q), k0, v0, as_bhsd(out), without_alibi(params), lse4, std::nullopt);
   Problem& p = vp.p;
   p.Sk = T;
   const EffectiveWindow w = effective_window(params);
@@ -313,6 +323,7 @@ VarlenProblem lower_varlen(const TensorView& q, const QuantizedKV& k, const Quan
   vp.cu_k = read_cu(cu_seqlens_k, "cu_seqlens_k", static_cast<std::int64_t>(vp.cu_q.size()), T, "total_k");
   vp.seq_k.resize(vp.cu_q.size() - 1);
   for (std::size_t b = 0; b < vp.seq_k.size(); ++b) vp.seq_k[b] = vp.cu_k[b + 1] - vp.cu_k[b];
+  if (params.alibi_slopes) lower_alibi(p, *params.alibi_slopes, vp.batch());
   const std::pair<const TensorView*, const char*> inputs[] = {
       {&k.data, "k"}, {&v.data, "v"}, {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}};
   for (const auto& [t, n] : inputs) {
@@ -329,7 +340,7 @@ VarlenBackwardProblem lower_varlen_backward(const TensorView& q, const TensorVie
                                             const TensorView& grad_out, const TensorView& grad_q,
                                             const TensorView& grad_k, const TensorView& grad_v,
                                             const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
-                                            const AttentionParams& params) {
+                                            const AttentionParams& params, const TensorView* grad_sinks) {
   VarlenBackwardProblem vbp;
   vbp.vp = lower_varlen(q, k, v, out, cu_seqlens_q, cu_seqlens_k, params, softmax_lse);
   const struct { const TensorView* t; const char* name; const char* axes; const TensorView* like; } grads[] = {
@@ -343,12 +354,28 @@ VarlenBackwardProblem lower_varlen_backward(const TensorView& q, const TensorVie
                   shape_str(g.t->shape()));
   const VarlenProblem& vp = vbp.vp;
   vbp.seqs.reserve(static_cast<std::size_t>(vp.batch()));
+  // [batch, Hq] slopes: each sequence's call takes its own row, as [Hq].
+  const bool slope_rows = params.alibi_slopes && params.alibi_slopes->rank() == 2;
+  AttentionParams seq_params = params;
   for (std::int64_t b = 0; b < vp.batch(); ++b) {
     const std::int64_t q0 = vp.cu_q[b], sq = vp.seq_q(b), k0 = vp.cu_k[b], sk = vp.seq_k[b];
+    if (slope_rows) {
+      const TensorView& a = *params.alibi_slopes;
+      seq_params.alibi_slopes = TensorView(a.data_as<float>() + b * a.stride(0), DType::f32, {a.size(1)}, {a.stride(1)});
+    }
     vbp.seqs.push_back(lower_attention_backward(seq_view(q, q0, sq), seq_view(k, k0, sk), seq_view(v, k0, sk),
                                                 seq_view(out, q0, sq), lse_view(softmax_lse, q0, sq),
                                                 seq_view(grad_out, q0, sq), seq_view(grad_q, q0, sq),
-                                                seq_view(grad_k, k0, sk), seq_view(grad_v, k0, sk), params));
+                                                seq_view(grad_k, k0, sk), seq_view(grad_v, k0, sk), seq_params));
+  }
+  if (grad_sinks) {
+    BackwardProblem whole;
+    whole.fwd = vp.p;
+    lower_grad_sinks(whole, *grad_sinks, params,
+                     {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                      {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"},
+                      {&cu_seqlens_q, "cu_seqlens_q"}, {&cu_seqlens_k, "cu_seqlens_k"}});
+    vbp.dsinks = whole.dsinks;
   }
   return vbp;
 }
@@ -381,6 +408,11 @@ Problem sequence_problem(const VarlenProblem& vp, std::int64_t b, const Attentio
   const std::int64_t wide = s.Sq + s.Sk + 1;
   s.window_left = w.left < 0 ? -1 : std::min(w.left, wide);
   s.window_right = w.right < 0 ? -1 : std::min(w.right, wide);
+  if (s.alibi_sb != 0) {  // [batch, Hq] slopes: the sequence's row
+    const auto row = vp.p.alibi.begin() + b * s.alibi_sb;
+    s.alibi.assign(row, row + s.Hq);
+    s.alibi_sb = 0;
+  }
   return s;
 }
 

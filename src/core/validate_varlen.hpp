@@ -29,13 +29,14 @@ VarlenProblem lower_paged(const TensorView& q, const QuantizedKV& k_pool, const 
                           const std::optional<TensorView>& softmax_lse);
 
 /// attention_varlen_backward: lower_varlen's checks, the gradients' packed shapes, then each
-/// sequence through lower_attention_backward on B = 1 views, every one before any kernel runs.
+/// sequence through lower_attention_backward on B = 1 views (its row of [batch, Hq] ALiBi
+/// slopes), every one before any kernel runs; grad_sinks (optional) as lower_grad_sinks.
 VarlenBackwardProblem lower_varlen_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                                             const TensorView& out, const TensorView& softmax_lse,
                                             const TensorView& grad_out, const TensorView& grad_q,
                                             const TensorView& grad_k, const TensorView& grad_v,
                                             const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
-                                            const AttentionParams& params);
+                                            const AttentionParams& params, const TensorView* grad_sinks = nullptr);
 
 /// Sequence b of a lowered packed or paged call as a B = 1 dense problem: the Problem that
 /// lower_attention gives for the [1, H, len, X] views of that sequence's q, out, softmax_lse and

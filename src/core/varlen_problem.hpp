@@ -53,7 +53,8 @@ struct VarlenProblem {
 /// on [1, H, len, X] views of the packed tensors.
 struct VarlenBackwardProblem {
   VarlenProblem vp;
-  std::vector<BackwardProblem> seqs;
+  std::vector<BackwardProblem> seqs;  // each without dsinks: the sequences' dz are summed in order
+  OutOperand dsinks;                  // dL/dz [Hq] when asked for (grad_sinks)
 };
 
 }  // namespace qkv::detail

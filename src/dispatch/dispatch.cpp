@@ -22,10 +22,31 @@ const char* kind_name(KernelKind k) {
 
 std::string accept(const Call&) { return {}; }
 
+}  // namespace
+
+std::string score_options_refusal(const Problem& p) {
+  std::string names;
+  const auto add = [&](bool on, const char* name) {
+    if (on) names += (names.empty() ? "" : ", ") + std::string(name);
+  };
+  add(!p.sinks.empty(), "sinks");
+  add(!p.alibi.empty(), "alibi_slopes");
+  add(p.keep_first > 0, "window_keep_first");
+  if (names.empty()) return {};
+  return names + ": not taken by the fast kernels yet (the reference takes them)";
+}
+
+namespace {
+
 // ---- qkv::attention -----------------------------------------------------------------------------
 
-std::string decode_gate(const Call& c) { return decode_refuse(*c.p); }
-std::string flash_gate(const Call& c) { return flash_refuse(*c.p); }
+// The score options come first: no fast kernel takes them, whatever the shape.
+std::string fast_gate(const Problem& p, std::string (*refuse)(const Problem&)) {
+  std::string why = score_options_refusal(p);
+  return why.empty() ? refuse(p) : why;
+}
+std::string decode_gate(const Call& c) { return fast_gate(*c.p, decode_refuse); }
+std::string flash_gate(const Call& c) { return fast_gate(*c.p, flash_refuse); }
 // The tiled kernels are handed the level's bf16 form for bf16 q (kernels/engine/engine.hpp).
 std::string forward_isa(const Call& c) { return active_isa_form(c.p->q.dtype == DType::bf16); }
 
@@ -57,7 +78,10 @@ std::string reference_describe() { return "float64 loops, always usable"; }
 
 // ---- qkv::attention_backward --------------------------------------------------------------------
 
-std::string flash_backward_gate(const Call& c) { return flash_backward_refuse(*c.bp); }
+std::string flash_backward_gate(const Call& c) {
+  std::string why = score_options_refusal(c.bp->fwd);
+  return why.empty() ? flash_backward_refuse(*c.bp) : why;
+}
 // The bf16 form needs bf16 q, dO and O (kernels/engine/engine.hpp).
 std::string backward_isa(const Call& c) {
   const BackwardProblem& bp = *c.bp;
@@ -71,6 +95,7 @@ void run_reference_backward(const Call& c) { reference_backward(*c.bp); }
 // ---- packed and paged batches ---------------------------------------------------------------------
 
 std::string serving_gate(const Call& c) {
+  if (std::string why = score_options_refusal(*c.p); !why.empty()) return why;
   if (c.p->q.dtype == DType::f64) return "float64 inputs: serving computes in fp32";
   return {};
 }

@@ -90,6 +90,11 @@ struct Choice {
 /// ends the search.
 Choice choose_kernel(const Call& c, bool explain);
 
+/// Why the fast kernels refuse a call with score options only the reference takes yet (sinks,
+/// alibi_slopes, window_keep_first), naming each one given: "sinks, alibi_slopes: not taken by
+/// the fast kernels yet (the reference takes them)"; empty without them.
+std::string score_options_refusal(const Problem& p);
+
 /// choose_kernel, then the chosen kernel's run function.
 void run_call(const Call& c);
 

@@ -18,6 +18,8 @@ using i64 = std::int64_t;
 // Each sequence's call and the kernel its own choice takes.
 struct Sequences {
   std::vector<Problem> problems;  // attention_varlen: each sequence's B = 1 problem
+  std::vector<BackwardProblem> backward;  // attention_varlen_backward with grad_sinks: dz into dz rows
+  std::vector<double> dz;                 // [batch, Hq]: each sequence's dL/dz, summed in order after
   std::vector<Call> calls;
   std::vector<const KernelEntry*> kernels;
 };
@@ -30,6 +32,12 @@ Sequences sequences(const Call& c) {
     s.problems.reserve(static_cast<std::size_t>(B));
     for (i64 b = 0; b < B; ++b) s.problems.push_back(sequence_problem(*c.vp, b, *c.params));
     for (const Problem& p : s.problems) s.calls.push_back(Call::forward(p, *c.params));
+  } else if (c.vbp->dsinks.data) {
+    const i64 Hq = c.p->Hq;
+    s.dz.assign(static_cast<std::size_t>(B * Hq), 0.0);
+    s.backward = c.vbp->seqs;
+    for (i64 b = 0; b < B; ++b) s.backward[static_cast<std::size_t>(b)].dsinks = {s.dz.data() + b * Hq, DType::f64, 0, 0, 0, 1};
+    for (const BackwardProblem& bp : s.backward) s.calls.push_back(Call::backward(bp, *c.params));
   } else {
     for (const BackwardProblem& bp : c.vbp->seqs) s.calls.push_back(Call::backward(bp, *c.params));
   }
@@ -67,8 +75,16 @@ std::string per_sequence_chosen(const Call& c) {
 }
 
 void per_sequence_run(const Call& c) {
-  const Sequences s = sequences(c);
+  Sequences s = sequences(c);
   for (std::size_t i = 0; i < s.calls.size(); ++i) s.kernels[i]->run(s.calls[i]);
+  if (c.entry != Entry::varlen_backward || !c.vbp->dsinks.data) return;
+  // dL/dz of the packed call: the sequences' sums added in sequence order (float64), written once.
+  const i64 Hq = c.p->Hq;
+  for (i64 h = 0; h < Hq; ++h) {
+    double total = 0.0;
+    for (i64 b = 0; b < c.vp->batch(); ++b) total += s.dz[static_cast<std::size_t>(b * Hq + h)];
+    store_from_double(c.vbp->dsinks.data, c.vbp->dsinks.dtype, h * c.vbp->dsinks.sx, total);
+  }
 }
 
 void reference_gathered(const Call& c) {

@@ -248,6 +248,17 @@ void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<
 
 void check_local(const TensorView& q, const TensorView& k, const TensorView& v, i64 sq_local, i64 sk_local, i64 Sq,
                  i64 Sk, const AttentionParams& params) {
+  // The ring and decode merges know no sink term, ALiBi bias or kept first keys yet: refused by
+  // name rather than computed without them.
+  if (params.sinks)
+    throw Error("sinks: expected none (qkv::dist does not take attention sinks yet; qkv::attention does), got a tensor of shape " +
+                shape_str(params.sinks->shape()));
+  if (params.alibi_slopes)
+    throw Error("alibi_slopes: expected none (qkv::dist does not take ALiBi yet; qkv::attention does), got a tensor of shape " +
+                shape_str(params.alibi_slopes->shape()));
+  if (params.window_keep_first != 0)
+    throw Error("window_keep_first: expected 0 (qkv::dist does not keep first keys yet; qkv::attention does), got " +
+                std::to_string(params.window_keep_first));
   qkv::detail::check_rank4(q, "q", "[B,Hq,Sq,D]");
   qkv::detail::check_rank4(k, "k", "[B,Hkv,Sk,D]");
   qkv::detail::check_rank4(v, "v", "[B,Hkv,Sk,Dv]");

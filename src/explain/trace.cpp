@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <limits>
 
@@ -111,6 +112,14 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
   t.additive_mask = t.has_mask && pr.mask.dtype != DType::b8;
   t.kv_lens.resize(static_cast<std::size_t>(t.B));
   for (std::int64_t b = 0; b < t.B; ++b) t.kv_lens[static_cast<std::size_t>(b)] = pr.key_len(b);
+  t.keep_first = pr.keep_first;
+  if (!pr.sinks.empty()) {
+    t.sinks = pr.sinks;
+    t.sink_weights.assign(static_cast<std::size_t>(t.B * t.Hq * t.Sq), 0.0);
+  }
+  if (!pr.alibi.empty())
+    for (std::int64_t b = 0; b < t.B; ++b)
+      for (std::int64_t h = 0; h < t.Hq; ++h) t.alibi_slopes.push_back(pr.slope(b, h));
   t.scores.assign(n, kNegInf);
   t.scaled.assign(n, kNegInf);
   t.status.assign(n, KeyStatus::admitted);
@@ -132,6 +141,7 @@ Trace trace_attention(const TensorView& q, const TensorView& k, const TensorView
         steps.mask_add = t.additive_mask ? &t.mask_add[row] : nullptr;
         steps.state = states.data();
         const auto r = static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i);
+        if (!t.sink_weights.empty()) steps.sink = &t.sink_weights[r];
         t.lse[r] = rows.run(b, h, i, &t.weights[row], &t.output[r * static_cast<std::size_t>(t.Dv)], steps);
         std::transform(states.begin(), states.end(), t.status.begin() + static_cast<std::ptrdiff_t>(row),
                        [](detail::KeyState x) { return static_cast<KeyStatus>(x); });
@@ -143,6 +153,19 @@ TensorView head_weights(const Trace& t, std::int64_t b) {
   check_index(b, t.B, "batch", "B");
   return TensorView(const_cast<double*>(t.weights.data()) + b * t.Hq * t.Sq * t.Sk, DType::f64,
                     {t.Hq, t.Sq, t.Sk});
+}
+
+Tensor head_weights_with_sink(const Trace& t, std::int64_t b) {
+  check_index(b, t.B, "batch", "B");
+  Tensor w(DType::f64, {t.Hq, t.Sq, t.Sk + 1});
+  double* dst = w.data_as<double>();
+  for (std::int64_t h = 0; h < t.Hq; ++h)
+    for (std::int64_t i = 0; i < t.Sq; ++i, dst += t.Sk + 1) {
+      const auto r = static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i);
+      std::copy_n(t.weights.begin() + static_cast<std::ptrdiff_t>(r * static_cast<std::size_t>(t.Sk)), t.Sk, dst);
+      dst[t.Sk] = t.sink_weights.empty() ? 0.0 : t.sink_weights[r];
+    }
+  return w;
 }
 
 std::vector<KeyWeight> top_keys(const Trace& t, std::int64_t b, std::int64_t h, std::int64_t i,
@@ -202,6 +225,12 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
     std::snprintf(buf, sizeof buf, " %13s", "softcap");
     o += buf;
   }
+  const bool alibi = !t.alibi_slopes.empty();
+  const double slope = alibi ? t.alibi_slopes[static_cast<std::size_t>(b * t.Hq + h)] : 0.0;
+  if (alibi) {
+    std::snprintf(buf, sizeof buf, " %13s", "+ alibi");
+    o += buf;
+  }
   if (t.additive_mask) {
     std::snprintf(buf, sizeof buf, " %13s", "+ mask");
     o += buf;
@@ -234,6 +263,10 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
       std::snprintf(buf, sizeof buf, " %13s", fmt(t.softcap * std::tanh(scaled / t.softcap)).c_str());
       o += buf;
     }
+    if (alibi) {
+      std::snprintf(buf, sizeof buf, " %13s", fmt(-slope * static_cast<double>(std::abs(t.diag(b, i) - j))).c_str());
+      o += buf;
+    }
     if (t.additive_mask) {
       std::snprintf(buf, sizeof buf, " %13s", fmt(t.mask_add[e]).c_str());
       o += buf;
@@ -242,9 +275,21 @@ std::string format_row(const Trace& t, std::int64_t b, std::int64_t h, std::int6
     o += buf;
   }
   const auto r = static_cast<std::size_t>((b * t.Hq + h) * t.Sq + i);
+  if (!t.sink_weights.empty()) {
+    // The sink: a logit in the denominator with no value (its weight completes the row's 1).
+    std::snprintf(buf, sizeof buf, "  %5s %-12s %13s %13s", "sink", "", "", "");
+    o += buf;
+    if (t.softcap > 0.0) o.append(14, ' ');
+    if (alibi) o.append(14, ' ');
+    if (t.additive_mask) o.append(14, ' ');
+    std::snprintf(buf, sizeof buf, " %13s %13s  (no value)\n", fmt(t.sinks[static_cast<std::size_t>(h)]).c_str(),
+                  fmt(t.sink_weights[r]).c_str());
+    o += buf;
+    sum += t.sink_weights[r];
+  }
   std::snprintf(buf, sizeof buf,
-                "  admitted keys: %" PRId64 " of %" PRId64 "; sum of weights = %s; softmax_lse = %s\n",
-                admitted, t.Sk, fmt(sum).c_str(), fmt(t.lse[r]).c_str());
+                "  admitted keys: %" PRId64 " of %" PRId64 "; sum of weights%s = %s; softmax_lse = %s\n",
+                admitted, t.Sk, t.sink_weights.empty() ? "" : " (sink included)", fmt(sum).c_str(), fmt(t.lse[r]).c_str());
   o += buf;
   o += "  z = sum_j weight_j v_j = [";
   for (std::int64_t x = 0; x < t.Dv; ++x) {

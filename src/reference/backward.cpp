@@ -12,6 +12,9 @@
 //   dQ_i   += scale dX_ij k_j,  dK_j += scale dX_ij q_i
 // over the keys j the row admits; the others have P_ij = 0 and are never read. GQA: dK and dV
 // of a KV head sum over the query heads of its group (and every row), in the order b, h, i.
+// Sinks: the sink's logit z_h has weight P_i,sink in the denominator and no value (dP = 0), so
+// D_i and dS above are unchanged and dz_h = -sum_{b,i} P_i,sink D_i. ALiBi's bias and the
+// mask add constants: their derivative is 1 and they take no gradient.
 // Checked against central finite differences of the float64 forward
 // (tests/test_backward_reference.cpp).
 #include <cmath>
@@ -32,10 +35,13 @@ void reference_backward(const BackwardProblem& bp) {
   std::vector<double> alpha(p.Sk), o(p.Dv), dout(p.Dv), q(p.D), kj(p.D), vj(p.Dv), dq(p.D);
   std::vector<double> scores(p.Sk);
   std::vector<KeyState> state(p.Sk);
+  std::vector<double> dz(static_cast<std::size_t>(p.Hq), 0.0);
+  double sink = 0.0;
   ReferenceRows rows(p);
   RowSteps steps;
   steps.scores = scores.data();
   steps.state = state.data();
+  steps.sink = &sink;
 
   for (std::int64_t b = 0; b < p.B; ++b)
     for (std::int64_t h = 0; h < p.Hq; ++h) {
@@ -50,6 +56,7 @@ void reference_backward(const BackwardProblem& bp) {
         // D_i = dO_i . O_i
         double Di = 0.0;
         for (std::int64_t x = 0; x < p.Dv; ++x) Di += dout[x] * o[x];
+        dz[static_cast<std::size_t>(h)] -= sink * Di;
         for (std::int64_t j = 0; j < p.Sk; ++j) {
           if (state[j] != KeyState::admitted) continue;  // never read: P_ij = 0, nothing flows
           for (std::int64_t x = 0; x < p.Dv; ++x)
@@ -90,6 +97,9 @@ void reference_backward(const BackwardProblem& bp) {
           store_from_double(bp.dv.data, bp.dv.dtype, b * bp.dv.sb + hk * bp.dv.sh + j * bp.dv.ss + x * bp.dv.sx,
                             dv[at(b, hk, j, p.Hkv, p.Sk, p.Dv) + x]);
       }
+  if (bp.dsinks.data)
+    for (std::int64_t h = 0; h < p.Hq; ++h)
+      store_from_double(bp.dsinks.data, bp.dsinks.dtype, h * bp.dsinks.sx, dz[static_cast<std::size_t>(h)]);
 }
 
 }  // namespace qkv::detail
@@ -102,6 +112,14 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   const detail::BackwardProblem bp =
       detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, params);
   detail::reference_backward(bp);
+}
+
+void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                        const TensorView& grad_k, const TensorView& grad_v, const TensorView& grad_sinks,
+                        const AttentionParams& params) {
+  detail::reference_backward(detail::lower_attention_backward(q, k, v, out, softmax_lse, grad_out, grad_q, grad_k,
+                                                              grad_v, grad_sinks, params));
 }
 
 }  // namespace qkv::reference

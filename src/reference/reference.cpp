@@ -5,16 +5,20 @@
 //   1. scores     s_j = q_i . k_j                       (dot product)
 //   2. scale      s_j = scale * s_j                     (default 1/sqrt(D))
 //      options    s_j = softcap * tanh(s_j / softcap)   (if softcap > 0)
+//                 s_j -= slope_h * |diag_i - j|         (ALiBi, diag_i: the causal diagonal)
 //                 excluded keys removed; s_j += mask_j  (additive float mask)
-//   3. softmax    alpha_j = exp(s_j - max) / sum_k exp(s_k - max)
-//   4. weighted   z_i = sum_j alpha_j v_j
+//   3. softmax    alpha_j = exp(s_j - max) / (exp(z_h - max) + sum_k exp(s_k - max)),
+//                 max over the s_k and the sink logit z_h (the sink term only with sinks)
+//   4. weighted   z_i = sum_j alpha_j v_j               (the sink adds no value)
 //   5. outputs    O_i = z_i, softmax_lse_i = max + log(sum)
-// No SIMD, no threads, no blocking. Keys outside [lo, hi) (causal, window, key lengths) and keys
-// a mask excludes are never read. Accuracy contract: exact up to float64 rounding.
+// No SIMD, no threads, no blocking. Keys outside [lo, hi) (causal, window, key lengths; with
+// window_keep_first, also [0, first_hi)) and keys a mask excludes are never read. Accuracy
+// contract: exact up to float64 rounding.
 #include "reference/reference_kernel.hpp"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 namespace qkv::detail {
@@ -47,14 +51,16 @@ double ReferenceRows::run(std::int64_t b, std::int64_t h, std::int64_t i, double
   const Problem& p = p_;
   const std::int64_t hk = p.kv_head(h);
   load_row(p.q.data, p.q.dtype, b * p.q.sb + h * p.q.sh + i * p.q.ss, p.D, q_.data());
-  std::int64_t lo, hi;
-  p.key_range(b, i, lo, hi);
-  double row_max = kNegInf;
+  std::int64_t lo, hi, first_hi;
+  p.key_ranges(b, i, lo, hi, first_hi);
+  const bool sink = !p.sinks.empty();
+  const double z_sink = sink ? p.sinks[static_cast<std::size_t>(h)] : kNegInf;
+  double row_max = z_sink;
   for (std::int64_t j = 0; j < p.Sk; ++j) {
     KeyState& st = state_[j];
     s_[j] = kNegInf;
     if (steps.scores) steps.scores[j] = kNegInf;
-    if (j < lo || j >= hi) {
+    if ((j < lo && j >= first_hi) || j >= hi) {
       st = j >= p.key_len(b) ? KeyState::beyond_kv_len : KeyState::outside_window;
       continue;
     }
@@ -67,9 +73,10 @@ double ReferenceRows::run(std::int64_t b, std::int64_t h, std::int64_t i, double
     double dot = 0.0;
     for (std::int64_t x = 0; x < p.D; ++x) dot += q_[x] * k_[x];
     if (steps.scores) steps.scores[j] = dot;
-    // Step 2: scaling, then softcap, then the additive mask.
+    // Step 2: scaling, then softcap, then the ALiBi bias, then the additive mask.
     double sj = p.scale * dot;
     if (p.softcap > 0.0) sj = p.softcap * std::tanh(sj / p.softcap);
+    if (!p.alibi.empty()) sj -= p.slope(b, h) * static_cast<double>(std::abs(p.diag(b, i) - j));
     sj += add;
     s_[j] = sj;
     if (sj > row_max) row_max = sj;
@@ -77,14 +84,16 @@ double ReferenceRows::run(std::int64_t b, std::int64_t h, std::int64_t i, double
   }
   if (steps.scaled) std::copy(s_.begin(), s_.end(), steps.scaled);
   if (steps.state) std::copy(state_.begin(), state_.end(), steps.state);
-  // Step 3: softmax over the admitted keys.
-  double sum = 0.0;
+  // Step 3: softmax over the admitted keys and the sink (in the denominator only).
   const bool empty = row_max == kNegInf;
+  double sum = sink && !empty ? std::exp(z_sink - row_max) : 0.0;
+  const double sink_term = sum;
   for (std::int64_t j = 0; j < p.Sk; ++j) {
     alpha[j] = (state_[j] != KeyState::admitted || empty) ? 0.0 : std::exp(s_[j] - row_max);
     sum += alpha[j];
   }
   for (std::int64_t j = 0; j < p.Sk; ++j) alpha[j] = empty ? 0.0 : alpha[j] / sum;
+  if (steps.sink) *steps.sink = sink && !empty ? sink_term / sum : 0.0;
   // Step 4: the weighted sum of the values.
   std::fill(z, z + p.Dv, 0.0);
   for (std::int64_t j = 0; j < p.Sk && !empty; ++j) {

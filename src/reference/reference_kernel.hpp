@@ -19,6 +19,7 @@ struct RowSteps {
   double* scaled = nullptr;    // step 2: scale, softcap, additive mask: the softmax's logits
   double* mask_add = nullptr;  // the additive mask's term, where the mask was read
   KeyState* state = nullptr;
+  double* sink = nullptr;      // one value: the sink's weight exp(z_h - lse) (0 without sinks)
 };
 
 /// The five steps for one query row at a time, with scratch sized for one Problem.
@@ -27,7 +28,8 @@ class ReferenceRows {
   explicit ReferenceRows(const Problem& p);
   /// Row (b, h, i): writes the weights alpha[Sk] (0 for excluded keys; all 0 for an empty row)
   /// and z[Dv] = sum_j alpha_j v_j, records the steps asked for, and returns softmax_lse
-  /// (natural log; -inf for a row with no admissible key, NaN if a score is NaN).
+  /// (natural log, the sink included; -inf for a row with no admissible key and no sink, z_h
+  /// with a sink; NaN if a score is NaN).
   double run(std::int64_t b, std::int64_t h, std::int64_t i, double* alpha, double* z,
              const RowSteps& steps = {});
 
@@ -41,7 +43,7 @@ class ReferenceRows {
 /// (beyond std::bad_alloc).
 void reference_kernel(const Problem& p);
 
-/// The float64 backward (backward.cpp): dQ, dK, dV of `bp` written. Never throws (beyond
+/// The float64 backward (backward.cpp): dQ, dK, dV (and dL/dz when bp.dsinks is set) written. Never throws (beyond
 /// std::bad_alloc).
 void reference_backward(const BackwardProblem& bp);
 

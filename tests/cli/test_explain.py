@@ -327,6 +327,18 @@ def main():
     check(all(abs(float(tip.rsplit(": ", 1)[1]) - w1[n // 7, n % 7]) <= 1e-5 * max(1, w1[n // 7, n % 7])
               for n, tip in enumerate(tips)), "svg tooltips hold the weights of batch 1, head 1")
 
+    # Sinks: the heatmap gains a "sink" column whose weight completes each row to 1.
+    np.save(f("z.npy"), np.array([0.5, -1.0, 2.0, 0.0], dtype=np.float32))
+    p = run("explain", "--q", f("q.npy"), "--k", f("k.npy"), "--v", f("v.npy"), "--causal", "--batch", "1",
+            "--sinks", f("z.npy"), "--heatmap", f("sink.svg"), "--query", "0", "--head", "0")
+    check("sink" in p.stdout and "sum of weights (sink included) = 1;" in p.stdout, "sink row printed")
+    root = ET.parse(f("sink.svg")).getroot()
+    cells = [r for r in root.iter(ns + "rect") if r.get("class") == "cell"]
+    check(len(cells) == 5 * 8, f"sink svg holds 5 x (7 + 1) cells, got {len(cells)}")
+    check("sink" in [t.text for t in root.iter(ns + "text")], "sink column labelled")
+    vals = np.array([float(r.find(ns + "title").text.rsplit(": ", 1)[1]) for r in cells]).reshape(5, 8)
+    check(np.allclose(vals.sum(1), 1.0, atol=5e-5), f"rows with the sink sum to 1: {vals.sum(1)}")
+
     # 6. --scaling: the figures at d_k = 64, and the plot.
     p = run("explain", "--scaling", "--samples", "300", "--d-k", "4,64", "--plot", f("s.svg"), "--plot", f("s.png"))
     row = [l for l in p.stdout.splitlines() if re.match(r"^\s+64 \|", l)][0].split("|")

@@ -203,6 +203,40 @@ void run_refusal(MPI_Comm comm) {
     check(msg.find("q: expected this rank's") != std::string::npos, "refusal: the faulty rank names q: " + msg);
 }
 
+// The score options the ring and decode merges do not take yet: every rank refuses by name.
+void run_score_option_refusal(MPI_Comm comm) {
+  int P = 1, r = 0;
+  MPI_Comm_size(comm, &P);
+  MPI_Comm_rank(comm, &r);
+  const i64 S = 12;
+  const i64 n = shard(S, P, r, Placement::contiguous)[0].length;
+  Tensor q(DType::f32, {1, 2, n, 4}), k(DType::f32, {1, 2, n, 4}), v(DType::f32, {1, 2, n, 4});
+  Tensor out(DType::f32, {1, 2, n, 4}), lse(DType::f32, {1, 2, n});
+  Tensor zq(DType::f32, {1, 2, S, 4}), zo(DType::f32, {1, 2, S, 4}), zl(DType::f32, {1, 2, S});
+  float z[2] = {0.0f, 1.0f};
+  for (int opt = 0; opt < 3; ++opt) {
+    AttentionParams p;
+    const char* name = opt == 0 ? "sinks" : opt == 1 ? "alibi_slopes" : "window_keep_first";
+    if (opt == 0) p.sinks = TensorView(z, DType::f32, {2});
+    if (opt == 1) p.alibi_slopes = TensorView(z, DType::f32, {2});
+    if (opt == 2) p.window_keep_first = 4;
+    RingOptions o;
+    o.placement = Placement::contiguous;
+    for (int call = 0; call < 3; ++call) {
+      std::string msg;
+      try {
+        if (call == 0) ring_attention(comm, q, k, v, out, lse, S, S, p, o);
+        if (call == 1) simulate_ring_attention(2, zq, zq, zq, zo, zl, p, o);
+        if (call == 2) simulate_decode_attention(2, zq, zq, zq, zo, p);
+      } catch (const Error& e) {
+        msg = e.what();
+      }
+      check(msg.rfind(std::string(name) + ": expected", 0) == 0,
+            std::string("score option refused by name (") + name + ", call " + std::to_string(call) + "): " + msg);
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -269,6 +303,7 @@ int main(int argc, char** argv) {
     }
   }
   run_refusal(MPI_COMM_WORLD);
+  run_score_option_refusal(MPI_COMM_WORLD);
 
   int fails = 0;
   MPI_Allreduce(&g_failures, &fails, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
