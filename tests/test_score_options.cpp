@@ -579,7 +579,7 @@ TEST(ScoreOptionsDispatch, VarlenPagedAndQuantizedRunFlashOrTheReference) {
       EXPECT_TRUE(contains(e, "serving: chosen")) << e;
     } else {
       EXPECT_TRUE(contains(e, "serving: refused " + why)) << e;
-      EXPECT_TRUE(contains(e, "per-sequence: chosen (one qkv::attention call per sequence: flash for 2)")) << e;
+      EXPECT_TRUE(contains(e, "per-sequence: chosen (one qkv::attention call per sequence: flash (")) << e;
     }
     attention_varlen(pk.q, pk.k, pk.v, out, pk.cuq(), pk.cuk(), params);
     expect_packed_near(out, dense, 1e-5);
@@ -634,7 +634,7 @@ TEST(ScoreOptionsDispatch, VarlenBackwardSumsTheSinkGradientOverSequences) {
   attention_varlen(pk.q, pk.k, pk.v, out, pk.cuq(), pk.cuk(), params, lse.view());
   Tensor dq(DType::f32, pk.q.shape()), dk(DType::f32, pk.k.shape()), dv(DType::f32, pk.v.shape()), dz(DType::f32, {f.Hq});
   const std::string e = explain_dispatch(pk.q, pk.k, pk.v, out, lse, out, dq, dk, dv, pk.cuq(), pk.cuk(), params);
-  EXPECT_TRUE(contains(e, "per-sequence: chosen (one qkv::attention_backward call per sequence: flash for 2)")) << e;
+  EXPECT_TRUE(contains(e, "per-sequence: chosen (one qkv::attention_backward call per sequence: flash (")) << e;
   attention_varlen_backward(pk.q, pk.k, pk.v, out, lse, out, dq, dk, dv, pk.cuq(), pk.cuk(), dz, params);
   // The dense batch: the same dz (each batch's sum, added in batch order).
   Tensor dout(DType::f32, {f.B, f.Hq, f.Sq, f.D}), dlse(DType::f32, {f.B, f.Hq, f.Sq});
