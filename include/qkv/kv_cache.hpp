@@ -134,8 +134,9 @@ class KVCache {
   /// @param q    [B, Hq, Sq, D], Hq % Hkv == 0 (GQA), any strides with a contiguous last dim.
   /// @param out  [B, Hq, Sq, Dv]. softmax_lse, probs: as qkv::attention() with Sk = max_length().
   /// @param params  causal, window, scale, softcap, mask (broadcastable to [B,Hq,Sq,max_length()]),
-  ///                kernel, num_threads; kv_lens must be empty (the cache supplies it) and align
-  ///                must be bottom_right.
+  ///                sinks, alibi_slopes ([Hq] or [B,Hq]), window_keep_first (these three on the
+  ///                reference kernel), kernel, num_threads; kv_lens must be empty (the cache
+  ///                supplies it) and align must be bottom_right.
   /// If q's dtype differs from the storage dtype (e.g. float32 queries over a bfloat16 cache),
   /// the cached positions are converted into a capacity-sized copy of q's dtype, incrementally
   /// (only positions appended since the previous call). After writing into keys()/values() below
