@@ -11,12 +11,15 @@
 // element by l, once, at the end: one rounding) and softmax_lse = m + log(l).
 //
 // Masks. Key tiles outside the union of the rows' [lo, hi) (causal, window, kv_lens) are never
-// read. A tile is "full" when every row of the block admits every key of it and no explicit mask
+// read; with keep-first the tiles of its first keys [0, first_kb) are read too, before the
+// window's (Block::first_kb), the gap between them never. A tile is "full" when every row of the block admits every key of it and no explicit mask
 // is given; otherwise a scalar pass sets excluded scores to -inf (select, never add, so NaN
 // computed from an excluded K row is discarded) and the PV product skips zero weights, so NaN or
 // inf stored in an excluded V row never meets a 0 weight (0 * NaN). Softcap and explicit masks
-// go through the same scalar pass (tanh from libm). The scores come from the call's score rule
-// (score_rule.hpp), a template parameter of the block's functions.
+// go through the same scalar pass (tanh from libm), and so do ALiBi and keep-first (a rule with
+// the position switch: no tile is full). The scores come from the call's score rule
+// (score_rule.hpp), a template parameter of the block's functions. An attention sink joins the
+// row once, at the end (finish).
 //
 // bf16 inputs with the AVX512_BF16 dot product (Ops::kHasDpbf16 and bf16_dot): QK^T uses
 // vdpbf16ps on (d, d+1) pairs of Q (packed) and K (read in place); PV converts P to bf16 and
