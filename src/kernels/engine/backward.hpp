@@ -107,7 +107,7 @@ struct Backward {
       i64 ulo = std::numeric_limits<i64>::max(), uhi = std::numeric_limits<i64>::min();
       for (i64 i = 0; i < p.Sq; ++i) {
         i64 lo, hi, first;
-        p.key_ranges(b, i, lo, hi, first);
+        ScoreRule<>::key_ranges(p, b, i, lo, hi, first);
         if (first > 0) {  // keep-first: keys [0, first) too
           ulo = 0;
           uhi = std::max(uhi, first);

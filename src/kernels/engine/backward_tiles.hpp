@@ -465,7 +465,7 @@ struct BackwardTiles {
     for (i64 r = 0; r < n; ++r) {
       i64 lo, hi;
       i64 first;
-      p.key_ranges(b, i0 + r, lo, hi, first);
+      ScoreRule<>::key_ranges(p, b, i0 + r, lo, hi, first);
       if (lo < hi && lo < g1 && hi > g0) return true;
       if (first > g0) return true;  // keep-first's keys [0, first)
     }

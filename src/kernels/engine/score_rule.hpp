@@ -20,6 +20,7 @@
 // code it had before the position terms existed. with_score_rule() is the one switch from a
 // call's run-time options to the rule type. The position terms of a row (keep-first range, ALiBi
 // slope and diagonal) are per row, in a Position (workspace.hpp) the scalar form reads.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -49,11 +50,22 @@ struct ScoreRule {
   static void key_range(const Problem& p, i64 b, i64 i, i64& lo, i64& hi) { p.key_range(b, i, lo, hi); }
   /// The element offset of (b, h, i, 0) in the mask.
   static i64 mask_row(const Problem& p, i64 b, i64 h, i64 i) { return b * p.mask.sb + h * p.mask.sh + i * p.mask.sq; }
+  /// Problem::key_ranges written inline: key_range's [lo, hi) and keep-first's [0, first_hi).
+  /// (Calls of Problem's own would leave an out-of-line copy, a weak symbol shared by the ISA
+  /// objects: scripts/check_isa_symbols.py.)
+  [[gnu::always_inline]] static void key_ranges(const Problem& p, i64 b, i64 i, i64& lo, i64& hi, i64& first_hi) {
+    const i64 len = p.kv_lens.empty() ? p.Sk : p.kv_lens[static_cast<std::size_t>(b)];
+    const i64 d = p.align == Alignment::bottom_right ? i + len - p.Sq : i;  // the diagonal
+    const i64 right = p.window_right < 0 ? len : std::min<i64>(len, d + p.window_right + 1);
+    lo = p.window_left < 0 ? 0 : std::max<i64>(0, d - p.window_left);
+    hi = right < lo ? lo : right;
+    first_hi = std::max<i64>(0, std::min(p.keep_first, right));
+  }
   /// The position terms of row i of batch b, head h (keep-first range, ALiBi slope, diagonal).
   static Position position(const Problem& p, i64 b, i64 h, i64 i) {
     Position ps;
     i64 lo, hi;
-    p.key_ranges(b, i, lo, hi, ps.first_hi);
+    key_ranges(p, b, i, lo, hi, ps.first_hi);
     ps.diag = p.diag(b, i);
     ps.slope = p.alibi.empty() ? 0.0f : static_cast<float>(p.slope(b, h));
     return ps;
