@@ -47,6 +47,9 @@ struct Config {
   bool outliers = false;
   int layout = 0;            // 0 BHSD contiguous, 1 BSHD with padded rows, 2 packed QKV [B,S,3,H,D]
   bool partial_nan = false;  // plant NaN in one key that only some rows admit
+  bool sinks = false;        // sink logits [Hq]
+  int alibi = 0;             // 0 none, 1 slopes [Hq], 2 slopes [B, Hq]
+  std::int64_t keep_first = 0;  // window_keep_first
   std::uint64_t seed = 1;
 
   std::string str() const {
@@ -56,7 +59,8 @@ struct Config {
       << (align == Alignment::top_left ? " top_left" : " bottom_right") << " mask" << mask
       << (mask_bcast ? "b" : "") << (kv_lens ? " kv_lens" : "") << " cap" << softcap
       << (outliers ? " outliers" : "") << " layout" << layout << (partial_nan ? " pnan" : "")
-      << " seed" << seed;
+      << (sinks ? " sinks" : "") << (alibi ? (alibi == 1 ? " alibi[Hq]" : " alibi[B,Hq]") : "")
+      << (keep_first ? " keep_first" + std::to_string(keep_first) : "") << " seed" << seed;
     return o.str();
   }
 };
@@ -109,7 +113,7 @@ struct IsaCap {
 inline void naive_fp32(const detail::Problem& p, const TensorView& q, const TensorView& k, const TensorView& v,
                        const std::vector<std::uint8_t>& admit, const std::vector<float>& add,
                        std::vector<double>& out, std::vector<double>& lse, bool reverse = false,
-                       double* max_abs_dot = nullptr, bool fused = false) {
+                       double* max_abs_dot = nullptr, bool fused = false, const float* sinks = nullptr) {
   out.assign(p.B * p.Hq * p.Sq * p.Dv, 0.0);
   lse.assign(p.B * p.Hq * p.Sq, 0.0);
   std::vector<float> s(p.Sk), acc(p.Dv);
@@ -119,8 +123,10 @@ inline void naive_fp32(const detail::Problem& p, const TensorView& q, const Tens
         const std::int64_t hk = p.kv_head(h);
         const std::int64_t row = (b * p.Hq + h) * p.Sq + i;
         float mx = -std::numeric_limits<float>::infinity();
+        bool any = false;
         for (std::int64_t j = 0; j < p.Sk; ++j) {
           if (!admit[row * p.Sk + j]) continue;
+          any = true;
           float dot = 0.0f;
           double absdot = 0.0;
           for (std::int64_t dd = 0; dd < p.D; ++dd) {
@@ -137,11 +143,16 @@ inline void naive_fp32(const detail::Problem& p, const TensorView& q, const Tens
           s[j] = x;
           mx = std::max(mx, x);
         }
+        if (sinks && !any) {  // an empty row with a sink: O = 0, lse = z
+          lse[row] = sinks[h];
+          continue;
+        }
         if (mx == -std::numeric_limits<float>::infinity()) {
           lse[row] = -std::numeric_limits<double>::infinity();
           continue;
         }
-        float sum = 0.0f;
+        if (sinks) mx = std::max(mx, sinks[h]);
+        float sum = sinks ? std::exp(sinks[h] - mx) : 0.0f;  // the sink: denominator only
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (std::int64_t jj = 0; jj < p.Sk; ++jj) {
           const std::int64_t j = reverse ? p.Sk - 1 - jj : jj;
@@ -224,6 +235,18 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
     for (std::int64_t b = 0; b < c.B; ++b) lens_t.data_as<std::int64_t>()[b] = b == 0 ? c.Sk : ld(rng);
     prm.kv_lens = lens_t.view();
   }
+  Tensor sinks_t, slopes_t;
+  if (c.sinks) {
+    sinks_t = Tensor(DType::f32, {c.Hq});
+    for (std::int64_t h = 0; h < c.Hq; ++h) sinks_t.data_as<float>()[h] = 2.0f * nd(rng);
+    prm.sinks = sinks_t.view();
+  }
+  if (c.alibi) {
+    slopes_t = c.alibi == 1 ? Tensor(DType::f32, {c.Hq}) : Tensor(DType::f32, {c.B, c.Hq});
+    for (std::int64_t x = 0; x < slopes_t.numel(); ++x) slopes_t.data_as<float>()[x] = 0.5f * ud(rng);
+    prm.alibi_slopes = slopes_t.view();
+  }
+  prm.window_keep_first = c.keep_first;
 
   Tensor out_ref(DType::f64, {c.B, c.Hq, c.Sq, c.Dv}), lse_ref(DType::f64, {c.B, c.Hq, c.Sq});
   Tensor out1(DType::f32, {c.B, c.Hq, c.Sq, c.Dv}), lse1(DType::f32, {c.B, c.Hq, c.Sq});
@@ -236,16 +259,22 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
   for (std::int64_t b = 0; b < c.B; ++b)
     for (std::int64_t h = 0; h < c.Hq; ++h)
       for (std::int64_t i = 0; i < c.Sq; ++i) {
-        std::int64_t lo, hi;
-        p.key_range(b, i, lo, hi);
+        std::int64_t lo, hi, first_hi;
+        p.key_ranges(b, i, lo, hi, first_hi);
         const std::int64_t row = (b * c.Hq + h) * c.Sq + i;
-        for (std::int64_t j = lo; j < hi; ++j) {
+        for (std::int64_t j = 0; j < hi; ++j) {
+          if (j < lo && j >= first_hi) continue;
           bool ok = true;
-          float a = 0.0f;
+          // ALiBi's bias (after softcap, before the mask's term): - slope |diag - j|.
+          float a = p.alibi.empty() ? 0.0f : static_cast<float>(-p.slope(b, h) * std::abs(double(p.diag(b, i) - j)));
           if (c.mask) {
             const std::int64_t mo = b * p.mask.sb + h * p.mask.sh + i * p.mask.sq + j * p.mask.sk;
             if (c.mask == 1) ok = mask_t.data_as<std::uint8_t>()[mo] != 0;
-            else { a = mask_t.data_as<float>()[mo]; ok = a != -std::numeric_limits<float>::infinity(); }
+            else {
+              const float m = mask_t.data_as<float>()[mo];
+              ok = m != -std::numeric_limits<float>::infinity();
+              a += m;
+            }
           }
           admit[row * c.Sk + j] = ok;
           add[row * c.Sk + j] = ok ? a : 0.0f;
@@ -280,9 +309,10 @@ inline Stats run_case(const Config& c, KernelKind kind, bool check_threads = tru
   // that one lucky rounding pattern of a small case does not set the bar.
   std::vector<double> nout, nlse, nout2, nlse2, nout3, nlse3;
   double max_abs_dot = 0.0;
-  naive_fp32(p, q, k, v, admit, add, nout, nlse, false, &max_abs_dot);
-  naive_fp32(p, q, k, v, admit, add, nout2, nlse2, true);
-  naive_fp32(p, q, k, v, admit, add, nout3, nlse3, false, nullptr, true);
+  const float* zs = c.sinks ? sinks_t.data_as<float>() : nullptr;
+  naive_fp32(p, q, k, v, admit, add, nout, nlse, false, &max_abs_dot, false, zs);
+  naive_fp32(p, q, k, v, admit, add, nout2, nlse2, true, nullptr, false, zs);
+  naive_fp32(p, q, k, v, admit, add, nout3, nlse3, false, nullptr, true, zs);
 
   Stats st;
   const double* ro = out_ref.data_as<double>();

@@ -47,6 +47,9 @@ struct BwConfig {
   double scale = 0.0;  // 0: default 1/sqrt(D)
   bool outliers = false;
   bool bshd = false;
+  bool sinks = false;           // sink logits [Hq] (and dL/dz checked)
+  int alibi = 0;                // 0 none, 1 slopes [Hq], 2 slopes [B, Hq]
+  std::int64_t keep_first = 0;  // window_keep_first
   std::uint64_t seed = 1;
 
   std::string str() const {
@@ -55,7 +58,9 @@ struct BwConfig {
       << dtype_name(dtype) << "->" << dtype_name(grad) << (causal ? " causal" : "") << " win(" << wl << "," << wr
       << ")" << (align == Alignment::top_left ? " top_left" : " bottom_right") << " mask" << mask
       << (kv_lens ? " kv_lens" : "") << " cap" << softcap << " scale" << scale << (outliers ? " outliers" : "")
-      << (bshd ? " bshd" : "") << " dO/O " << dtype_name(dout) << " lse " << dtype_name(lse) << " seed" << seed;
+      << (bshd ? " bshd" : "") << " dO/O " << dtype_name(dout) << " lse " << dtype_name(lse)
+      << (sinks ? " sinks" : "") << (alibi ? (alibi == 1 ? " alibi[Hq]" : " alibi[B,Hq]") : "")
+      << (keep_first ? " keep_first" + std::to_string(keep_first) : "") << " seed" << seed;
     return o.str();
   }
 };
@@ -63,7 +68,7 @@ struct BwConfig {
 /// The inputs of one backward call, with the forward's out and softmax_lse.
 struct BwInputs {
   BwConfig c;
-  Tensor q, k, v, dout, out, lse, mask, lens;
+  Tensor q, k, v, dout, out, lse, mask, lens, sinks, slopes;
   AttentionParams p;
   TensorView view(const Tensor& t) const { return c.bshd ? t.view().permute({0, 2, 1, 3}) : t.view(); }
   Tensor like(std::int64_t H, std::int64_t S, std::int64_t X, DType dt) const {
@@ -115,6 +120,17 @@ inline BwInputs make_inputs(const BwConfig& c) {
       static_cast<std::int64_t*>(in.lens.data())[b] = static_cast<std::int64_t>(u(rng) * (c.Sk + 1)) % (c.Sk + 1);
     in.p.kv_lens = in.lens.view();
   }
+  if (c.sinks) {
+    in.sinks = Tensor(DType::f32, {c.Hq});
+    for (std::int64_t h = 0; h < c.Hq; ++h) static_cast<float*>(in.sinks.data())[h] = static_cast<float>(2.0 * nd(rng));
+    in.p.sinks = in.sinks.view();
+  }
+  if (c.alibi) {
+    in.slopes = c.alibi == 1 ? Tensor(DType::f32, {c.Hq}) : Tensor(DType::f32, {c.B, c.Hq});
+    for (std::int64_t x = 0; x < in.slopes.numel(); ++x) static_cast<float*>(in.slopes.data())[x] = static_cast<float>(0.5 * u(rng));
+    in.p.alibi_slopes = in.slopes.view();
+  }
+  in.p.window_keep_first = c.keep_first;
   // NaN in every K/V row no query row of its batch may attend (causal, window, key lengths, and
   // the mask: a key it excludes for every row).
   const detail::Problem pr = detail::lower_attention(in.view(in.q), in.view(in.k), in.view(in.v),
@@ -124,9 +140,10 @@ inline BwInputs make_inputs(const BwConfig& c) {
   for (std::int64_t b = 0; b < c.B; ++b) {
     std::vector<bool> read(c.Sk, false);
     for (std::int64_t i = 0; i < c.Sq; ++i) {
-      std::int64_t lo, hi;
-      pr.key_range(b, i, lo, hi);
-      for (std::int64_t j = lo; j < hi; ++j) {
+      std::int64_t lo, hi, first_hi;
+      pr.key_ranges(b, i, lo, hi, first_hi);
+      for (std::int64_t j = 0; j < hi; ++j) {
+        if (j < lo && j >= first_hi) continue;
         if (c.mask == 1) read[j] = read[j] || static_cast<const std::uint8_t*>(in.mask.data())[(b * c.Sq + i) * c.Sk + j] != 0;
         else if (c.mask == 2) read[j] = read[j] || static_cast<const float*>(in.mask.data())[i * c.Sk + j] != -std::numeric_limits<float>::infinity();
         else read[j] = true;
@@ -149,14 +166,18 @@ struct BwGrads {
   Tensor dq, dk, dv;
 };
 
-inline BwGrads run_backward(const BwInputs& in, DType gdt, KernelKind kind, int threads) {
+inline BwGrads run_backward(const BwInputs& in, DType gdt, KernelKind kind, int threads, Tensor* dz = nullptr) {
   const BwConfig& c = in.c;
   BwGrads g{in.like(c.Hq, c.Sq, c.D, gdt), in.like(c.Hkv, c.Sk, c.D, gdt), in.like(c.Hkv, c.Sk, c.Dv, gdt)};
   AttentionParams p = in.p;
   p.kernel = kind;
   p.num_threads = threads;
-  attention_backward(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.lse.view(), in.view(in.dout),
-                     in.view(g.dq), in.view(g.dk), in.view(g.dv), p);
+  if (dz)
+    attention_backward(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.lse.view(), in.view(in.dout),
+                       in.view(g.dq), in.view(g.dk), in.view(g.dv), dz->view(), p);
+  else
+    attention_backward(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out), in.lse.view(), in.view(in.dout),
+                       in.view(g.dq), in.view(g.dk), in.view(g.dv), p);
   return g;
 }
 
@@ -173,7 +194,7 @@ struct BwAbsTerms {
 };
 
 inline void naive_backward_fp32(const BwInputs& in, bool from_lse, std::vector<double>& dq, std::vector<double>& dk,
-                                std::vector<double>& dv, BwAbsTerms* terms = nullptr) {
+                                std::vector<double>& dv, BwAbsTerms* terms = nullptr, std::vector<double>* dz = nullptr) {
   const BwConfig& c = in.c;
   const detail::Problem pr = detail::lower_attention(in.view(in.q), in.view(in.k), in.view(in.v), in.view(in.out),
                                                      in.p, std::nullopt, std::nullopt);
@@ -192,11 +213,13 @@ inline void naive_backward_fp32(const BwInputs& in, bool from_lse, std::vector<d
     for (std::int64_t h = 0; h < c.Hq; ++h) {
       const std::int64_t hk = pr.kv_head(h);
       for (std::int64_t i = 0; i < c.Sq; ++i) {
-        std::int64_t lo, hi;
-        pr.key_range(b, i, lo, hi);
+        std::int64_t lo, hi, first_hi;
+        pr.key_ranges(b, i, lo, hi, first_hi);
         float mx = -std::numeric_limits<float>::infinity();
         for (std::int64_t j = 0; j < c.Sk; ++j) {
-          adm[j] = j >= lo && j < hi;
+          adm[j] = j < hi && (j >= lo || j < first_hi);
+          // ALiBi's bias, after softcap: - slope |diag - j|.
+          const float bias = pr.alibi.empty() ? 0.0f : static_cast<float>(-pr.slope(b, h) * std::abs(double(pr.diag(b, i) - j)));
           float add = 0.0f;
           if (adm[j] && pr.mask.data) {
             const std::int64_t mo = b * pr.mask.sb + h * pr.mask.sh + i * pr.mask.sq + j * pr.mask.sk;
@@ -215,26 +238,33 @@ inline void naive_backward_fp32(const BwInputs& in, bool from_lse, std::vector<d
             th[j] = std::tanh(y / cap);
             y = cap * th[j];
           }
-          s[j] = y + add;
+          s[j] = y + bias + add;
           mx = std::max(mx, s[j]);
         }
         if (mx == -std::numeric_limits<float>::infinity()) continue;  // empty row: nothing flows
+        const float z = pr.sinks.empty() ? -std::numeric_limits<float>::infinity() : static_cast<float>(pr.sinks[h]);
+        float psink = 0.0f;  // the sink's weight
         if (from_lse) {  // P = exp(s - lse) with the forward's softmax_lse
           const float l = static_cast<float>(load_as_double(in.lse.data(), in.lse.dtype(), (b * c.Hq + h) * c.Sq + i));
           for (std::int64_t j = 0; j < c.Sk; ++j) pj[j] = adm[j] ? std::exp(s[j] - l) : 0.0f;
-        } else {  // P = softmax(s) with its own max and sum
-          float sum = 0.0f;
+          psink = std::exp(z - l);
+        } else {  // P = softmax(s) with its own max and sum (the sink in the sum)
+          mx = std::max(mx, z);
+          float sum = std::exp(z - mx);
+          psink = sum;
           for (std::int64_t j = 0; j < c.Sk; ++j) {
             pj[j] = adm[j] ? std::exp(s[j] - mx) : 0.0f;
             sum += pj[j];
           }
           for (std::int64_t j = 0; j < c.Sk; ++j) pj[j] /= sum;
+          psink /= sum;
         }
         // D from the forward's O, as a backward pass gets it.
         const TensorView fo = in.view(in.out);
         float Di = 0.0f;
         for (std::int64_t x = 0; x < c.Dv; ++x)
           Di += static_cast<float>(get(dout, off4(dout, b, h, i, x))) * static_cast<float>(get(fo, off4(fo, b, h, i, x)));
+        if (dz) (*dz)[static_cast<std::size_t>(h)] -= static_cast<float>(psink * Di);
         for (std::int64_t j = 0; j < c.Sk; ++j) {
           if (!adm[j]) continue;
           float dp = 0.0f;
@@ -293,10 +323,17 @@ inline double run_backward_case(const BwConfig& c, double factor = 2.0) {
   const BwInputs in = make_inputs(c);
   const BwGrads ref = run_backward(in, DType::f64, KernelKind::reference, 1);
   // The yardstick: the worse of the two naive variants, gradient by gradient.
-  std::vector<double> nq, nk, nv, lq, lk, lv;
+  std::vector<double> nq, nk, nv, lq, lk, lv, nz(c.Hq, 0.0), lz(c.Hq, 0.0);
   BwAbsTerms terms;
-  naive_backward_fp32(in, false, nq, nk, nv);
-  naive_backward_fp32(in, true, lq, lk, lv, &terms);
+  naive_backward_fp32(in, false, nq, nk, nv, nullptr, &nz);
+  naive_backward_fp32(in, true, lq, lk, lv, &terms, &lz);
+  // dL/dz: the float64 reference's against the fast backward's (f32), 2 x the naive's error.
+  std::vector<double> rz;
+  if (c.sinks) {
+    Tensor z(DType::f32, {c.Hq});
+    run_backward(in, DType::f64, KernelKind::reference, 1, &z);
+    rz.assign(static_cast<const float*>(z.data()), static_cast<const float*>(z.data()) + c.Hq);
+  }
   const std::vector<double>* abs_terms[3] = {&terms.dq, &terms.dk, &terms.dv};
   // The bf16 dot-product path (bf16 q, k, v, dO and O on AVX512_BF16) rounds P and dS to bf16.
   const bool dot_path = c.dtype == DType::bf16 && c.dout == DType::bf16;
@@ -309,8 +346,16 @@ inline double run_backward_case(const BwConfig& c, double factor = 2.0) {
   for (detail::Isa isa : test_isas(c.dtype)) {
     IsaCap cap(isa);
     SCOPED_TRACE(detail::isa_name(isa));
-    const BwGrads g1 = run_backward(in, c.grad, KernelKind::flash, 1);
-    const BwGrads g2 = run_backward(in, c.grad, KernelKind::flash, 2);
+    Tensor z1(DType::f32, {c.Hq}), z2(DType::f32, {c.Hq});
+    const BwGrads g1 = run_backward(in, c.grad, KernelKind::flash, 1, c.sinks ? &z1 : nullptr);
+    const BwGrads g2 = run_backward(in, c.grad, KernelKind::flash, 2, c.sinks ? &z2 : nullptr);
+    if (c.sinks) {
+      EXPECT_EQ(std::memcmp(z1.data(), z2.data(), z1.nbytes()), 0) << "dz: 1 and 2 threads differ";
+      std::vector<double> got(static_cast<const float*>(z1.data()), static_cast<const float*>(z1.data()) + c.Hq);
+      const double floor = 1e-6 * std::max(1.0, max_abs(rz)) + std::ldexp(max_abs(rz), -23);
+      const double nerr = std::max(max_abs_diff(nz, rz), max_abs_diff(lz, rz));
+      EXPECT_LE(max_abs_diff(got, rz), factor * nerr + floor) << "dz: naive fp32 error " << nerr;
+    }
     const Tensor* t1[3] = {&g1.dq, &g1.dk, &g1.dv};
     const Tensor* t2[3] = {&g2.dq, &g2.dk, &g2.dv};
     for (int x = 0; x < 3; ++x) {

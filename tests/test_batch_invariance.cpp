@@ -159,6 +159,15 @@ TEST(BatchInvariance, WindowSoftcapBfloat16) {
   check_invariance(DType::bf16, p, "window softcap");
 }
 
+TEST(BatchInvariance, CausalSinksFloat32) {
+  Tensor z(DType::f32, {6});
+  for (i64 h = 0; h < 6; ++h) z.data_as<float>()[h] = 0.5f * static_cast<float>(h) - 1.0f;
+  AttentionParams p;
+  p.causal = true;
+  p.sinks = z.view();
+  check_invariance(DType::f32, p, "causal sinks");
+}
+
 TEST(BatchInvariance, NoMaskFloat16) {
   check_invariance(DType::f16, {}, "no mask");
 }

@@ -101,6 +101,30 @@ TEST(Varlen, EveryOptionSmall) {
   }
 }
 
+// Attention sinks on the serving kernel (one more partial of its merge): sequences across split
+// boundaries, empty rows (O = 0, lse = z), GQA, every option above, f32 and bf16.
+TEST(Varlen, SinksAgainstReference) {
+  std::uint64_t seed = 300;
+  int o = 0;
+  const auto opts = options();
+  for (const auto& [hq, hkv] : {std::pair<i64, i64>{4, 4}, {6, 2}}) {
+    Tensor z(DType::f32, {hq});
+    for (i64 h = 0; h < hq; ++h) z.data_as<float>()[h] = 0.7f * static_cast<float>(h) - 1.5f;
+    for (DType dt : {DType::f32, DType::bf16}) {
+      const Packed pk = make_packed(kMixed, hq, hkv, 40, 40, dt, ++seed);
+      for (int r = 0; r < 2; ++r) {
+        const Opt& op = opts[static_cast<std::size_t>(o++) % opts.size()];
+        AttentionParams p = op.p;
+        p.sinks = z.view();
+        Tensor out(DType::f32, {pk.Tq, pk.Hq, pk.Dv});
+        const std::string e = explain_dispatch(pk.q, pk.k, pk.v, out, pk.cu_q, pk.cu_k, p);
+        ASSERT_NE(e.find("serving: chosen"), std::string::npos) << e;
+        check_case(pk, p, std::string("sinks ") + op.name + " Hq" + std::to_string(hq) + " " + std::string(dtype_name(dt)));
+      }
+    }
+  }
+}
+
 // Forced kernels: one qkv::attention call per sequence.
 TEST(Varlen, ForcedKernelsPerSequence) {
   const Packed pk = make_packed({{3, 50}, {40, 40}, {0, 4}, {2, 0}}, 4, 2, 32, 32, DType::f32, 7);

@@ -24,29 +24,29 @@ std::string accept(const Call&) { return {}; }
 
 }  // namespace
 
-std::string score_options_refusal(const Problem& p) {
+std::string score_options_refusal(const Problem& p, const char* kernel, const char* taker, bool takes_sinks) {
   std::string names;
   const auto add = [&](bool on, const char* name) {
     if (on) names += (names.empty() ? "" : ", ") + std::string(name);
   };
-  add(!p.sinks.empty(), "sinks");
+  add(!takes_sinks && !p.sinks.empty(), "sinks");
   add(!p.alibi.empty(), "alibi_slopes");
   add(p.keep_first > 0, "window_keep_first");
   if (names.empty()) return {};
-  return names + ": not taken by the fast kernels yet (the reference takes them)";
+  return names + ": not taken by " + kernel + " yet (" + taker + " takes them)";
 }
 
 namespace {
 
 // ---- qkv::attention -----------------------------------------------------------------------------
 
-// The score options come first: no fast kernel takes them, whatever the shape.
-std::string fast_gate(const Problem& p, std::string (*refuse)(const Problem&)) {
-  std::string why = score_options_refusal(p);
-  return why.empty() ? refuse(p) : why;
+// The position terms (ALiBi, keep-first) come first for decode, which takes sinks (in its merge)
+// but not them yet: flash does, whatever the shape.
+std::string decode_gate(const Call& c) {
+  std::string why = score_options_refusal(*c.p, "decode", "flash", true);
+  return why.empty() ? decode_refuse(*c.p) : why;
 }
-std::string decode_gate(const Call& c) { return fast_gate(*c.p, decode_refuse); }
-std::string flash_gate(const Call& c) { return fast_gate(*c.p, flash_refuse); }
+std::string flash_gate(const Call& c) { return flash_refuse(*c.p); }
 // The tiled kernels are handed the level's bf16 form for bf16 q (kernels/engine/engine.hpp).
 std::string forward_isa(const Call& c) { return active_isa_form(c.p->q.dtype == DType::bf16); }
 
@@ -78,10 +78,7 @@ std::string reference_describe() { return "float64 loops, always usable"; }
 
 // ---- qkv::attention_backward --------------------------------------------------------------------
 
-std::string flash_backward_gate(const Call& c) {
-  std::string why = score_options_refusal(c.bp->fwd);
-  return why.empty() ? flash_backward_refuse(*c.bp) : why;
-}
+std::string flash_backward_gate(const Call& c) { return flash_backward_refuse(*c.bp); }
 // The bf16 form needs bf16 q, dO and O (kernels/engine/engine.hpp).
 std::string backward_isa(const Call& c) {
   const BackwardProblem& bp = *c.bp;
@@ -95,7 +92,7 @@ void run_reference_backward(const Call& c) { reference_backward(*c.bp); }
 // ---- packed and paged batches ---------------------------------------------------------------------
 
 std::string serving_gate(const Call& c) {
-  if (std::string why = score_options_refusal(*c.p); !why.empty()) return why;
+  if (std::string why = score_options_refusal(*c.p, "serving", "per-sequence flash", true); !why.empty()) return why;
   if (c.p->q.dtype == DType::f64) return "float64 inputs: serving computes in fp32";
   return {};
 }

@@ -2,7 +2,7 @@
 //
 // Algorithm: Dao 2023, "FlashAttention-2", Algorithm 2 (backward pass): K/V blocks outermost,
 // P recomputed from softmax_lse tile by tile, dV = P^T dO, dP = dO V^T, dS = P (dP - D),
-// dQ = scale dS K, dK = scale dS^T Q. The tiling, threading and the deterministic reduction of dQ
+// dQ = scale dS K, dK = scale dS^T Q; sinks' dz by sink_gradient (sink_grad.cpp). The tiling, threading and the deterministic reduction of dQ
 // are described in src/kernels/engine/backward.hpp (per-ISA instantiations in
 // src/kernels/simd/<isa>/).
 //
@@ -33,6 +33,7 @@ void flash_backward_kernel(const BackwardProblem& bp) {
   const IsaKernels& k = active_isa_kernels(dot);
   const int threads = call_threads(bp.fwd);
   k.backward(bp, thread_workspace(k.backward_workspace(bp, threads)), threads, dot);
+  sink_gradient(bp);
 }
 
 }  // namespace qkv::detail

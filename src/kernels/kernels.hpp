@@ -17,6 +17,10 @@ std::string decode_describe();
 
 std::string flash_backward_refuse(const BackwardProblem& bp);
 void flash_backward_kernel(const BackwardProblem& bp);
+/// dL/dz of the sink logits into bp.dsinks (when given): - sum_{b,i} e^{z_h - lse_i} D_i, from
+/// O, dO and softmax_lse in float64, in the order h, b, i (sink_grad.cpp). Every fast backward
+/// calls it after its gradients.
+void sink_gradient(const BackwardProblem& bp);
 
 /// The serving kernel (serving.cpp): attention_varlen and attention_paged, batch invariant.
 void serving_kernel(const VarlenProblem& vp);

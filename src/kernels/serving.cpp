@@ -45,11 +45,14 @@ namespace {
 using i64 = std::int64_t;
 constexpr i64 P = kServingSplit;
 
-// Row r's split partials (pf floats each: O, then m, l) merged in split order (lse_merge.hpp).
+// Row r's split partials (pf floats each: O, then m, l) merged in split order (lse_merge.hpp),
+// head h's sink (if any) joined once as one more partial.
 void merge_row(const Problem& p, const float* parts, i64 c_lo, i64 c_hi, i64 Dv, i64 pf, double* accd,
-               i64 out_off, i64 lse_off) {
+               i64 out_off, i64 lse_off, i64 h) {
   LseMerge merge(accd, Dv);
-  merge.run(c_hi - c_lo, pf - 2, [&](i64 c) { return parts + (c_lo + c) * pf; });
+  const float sink = p.sinks.empty() ? -std::numeric_limits<float>::infinity()
+                                     : static_cast<float>(p.sinks[static_cast<std::size_t>(h)]);
+  merge.run(c_hi - c_lo, pf - 2, [&](i64 c) { return parts + (c_lo + c) * pf; }, sink);
   for (i64 d = 0; d < Dv; ++d) store_from_float(p.out.data, p.out.dtype, out_off + d * p.out.sx, merge.out(d));
   if (p.lse.data) store_from_float(p.lse.data, p.lse.dtype, lse_off, merge.lse());
 }
@@ -125,7 +128,7 @@ void serving_kernel(const VarlenProblem& vp) {
       vp.key_range(b, t, lo, hi);
       const float* rp = parts + part_base[static_cast<std::size_t>(b)] + (t * p.Hq + h) * ns * pf;
       const i64 c_lo = lo < hi ? lo / P : 0, c_hi = lo < hi ? (hi + P - 1) / P : 0;
-      merge_row(p, rp, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss);
+      merge_row(p, rp, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss, h);
     });
   });
 }

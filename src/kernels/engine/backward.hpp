@@ -8,7 +8,8 @@
 // time (K, V converted to fp32 once, dK and dV accumulated in fp32 in the thread's workspace)
 // and runs every query block of every query head of the group that admits any of them:
 //   S   = Q K^T                       (the forward's QK^T microkernel, scores key-major)
-//   P   = exp(scale S - lse)          (softcap, masks and excluded keys as the forward; rows with
+//   P   = exp(scale S - lse)          (softcap, ALiBi, masks and excluded keys as the forward; lse
+//                                      includes a sink's term, so sinks need nothing here; rows with
 //                                      lse = -inf and padded rows get P = 0 exactly, never
 //                                      exp(0 - lse) of a huge lse)
 //   dP  = dO V^T                      (the same microkernel, dO transposed)
@@ -30,8 +31,9 @@
 // pairs go in waves).
 // Chunk boundaries balance the admitted (row, key block) pairs, so causal items cost the same.
 //
-// Excluded keys: a tile is read only if some row of the batch admits its keys (causal, window and
-// key lengths; keys outside every row's range are never read and get dK = dV = 0); within a tile,
+// Excluded keys: a tile is read only if some row of the batch admits its keys (causal, window,
+// keep-first and key lengths; keys outside every row's range are never read and get dK = dV = 0);
+// within a tile,
 // an excluded (row, key) gets P = 0 and dS = 0, and the products skip zero weights, so NaN or inf
 // in a key or value excluded for a row never reaches that row's gradients.
 #include <algorithm>
@@ -104,8 +106,14 @@ struct Backward {
       std::fill(weight.begin(), weight.end(), 0);
       i64 ulo = std::numeric_limits<i64>::max(), uhi = std::numeric_limits<i64>::min();
       for (i64 i = 0; i < p.Sq; ++i) {
-        i64 lo, hi;
-        ScoreRule<>::key_range(p, b, i, lo, hi);
+        i64 lo, hi, first;
+        ScoreRule<>::key_ranges(p, b, i, lo, hi, first);
+        if (first > 0) {  // keep-first: keys [0, first) too
+          ulo = 0;
+          uhi = std::max(uhi, first);
+          weight[0] += 1;
+          weight[(first - 1) / BK + 1] -= 1;
+        }
         if (lo >= hi) continue;
         ulo = std::min(ulo, lo);
         uhi = std::max(uhi, hi);
@@ -204,7 +212,7 @@ struct Backward {
         for (i64 i0 = 0; i0 < p.Sq; i0 += BQ) {
           if (!Tiles::touches(p, b, i0, g0, g1)) continue;  // before packing: causal skips half
           QBlock qb = Tiles::start_block(bp, w, b, h, i0);
-          auto meets = [&](i64 t0, int kt) { return qb.lo_min < t0 + kt && qb.hi_max > t0; };
+          auto meets = [&](i64 t0, int kt) { return Tiles::meets(qb, t0, t0 + kt); };
           bool partial = !DP;  // the fp32 form is needed
           for (int x = 0; x < ntile && !partial; ++x) {
             i64 t0;

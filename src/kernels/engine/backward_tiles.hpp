@@ -46,6 +46,7 @@ struct BackwardTiles {
   struct BRow {
     i64 lo, hi;      // admissible key range
     i64 mask_off;    // element offset of (b, h, i, 0) in the mask
+    Position pos;    // keep-first range and ALiBi (rules with kPosition)
   };
 
   struct Ws {
@@ -198,6 +199,7 @@ struct BackwardTiles {
   struct QBlock {
     int n, nqv;
     i64 lo_min, hi_max, max_lo, min_hi;  // union and intersection of the rows' key ranges
+    i64 first_max;                       // keep-first: the rows' first keys [0, first_max)
     const float* qs;                     // Q rows (the dK += dS^T Q operand)
     const float* ds;                     // dO rows (the dV += P^T dO operand)
     i64 qss, dss;
@@ -230,6 +232,8 @@ struct BackwardTiles {
     qb.hi_max = std::numeric_limits<i64>::min();
     qb.max_lo = std::numeric_limits<i64>::min();
     qb.min_hi = std::numeric_limits<i64>::max();
+    qb.first_max = 0;
+    const bool pos = has_position(p);
     const float inf = std::numeric_limits<float>::infinity();
     for (int r = 0; r < sp; ++r) {
       if (r >= n) {  // padding: rows whose P is exactly 0 (lse = +inf) and whose D is 0
@@ -242,6 +246,10 @@ struct BackwardTiles {
       BRow& row = w.rows[r];
       ScoreRule<>::key_range(p, b, i, row.lo, row.hi);
       row.mask_off = ScoreRule<>::mask_row(p, b, h, i);
+      if (pos) {
+        row.pos = ScoreRule<>::position(p, b, h, i);
+        qb.first_max = std::max(qb.first_max, row.pos.first_hi);
+      }
       if (row.lo < row.hi) {
         qb.lo_min = std::min(qb.lo_min, row.lo);
         qb.hi_max = std::max(qb.hi_max, row.hi);
@@ -262,6 +270,9 @@ struct BackwardTiles {
     if (qb.lo_min > qb.hi_max) qb.lo_min = qb.hi_max = 0;
     return qb;
   }
+
+  // Whether some row of the block may admit a key of [t0, t1) (its range or keep-first's keys).
+  static bool meets(const QBlock& qb, i64 t0, i64 t1) { return (qb.lo_min < t1 && qb.hi_max > t0) || t0 < qb.first_max; }
 
   // Whether every row of the block admits every key of [t0, t1) (no mask): a full tile.
   template <class Rule>
@@ -354,8 +365,8 @@ struct BackwardTiles {
         if (r >= n) { e = 0.0f; continue; }
         const BRow& row = w.rows[r];
         float add = 0.0f, t = 0.0f;
-        const bool ok = rule.admits(t0 + j, row.lo, row.hi, row.mask_off, add);
-        const float y = rule.scaled(e, t);
+        const bool ok = rule.admits(t0 + j, row.lo, row.hi, row.mask_off, row.pos, add);
+        const float y = rule.biased(rule.scaled(e, t), t0 + j, row.pos);
         if constexpr (Rule::kHasSoftcap) w.th[j * SP + r] = t;
         e = ok ? std::exp(y + add - w.lse[r]) : 0.0f;
       }
@@ -453,8 +464,10 @@ struct BackwardTiles {
     const i64 n = std::min<i64>(BQ, p.Sq - i0);
     for (i64 r = 0; r < n; ++r) {
       i64 lo, hi;
-      ScoreRule<>::key_range(p, b, i0 + r, lo, hi);
+      i64 first;
+      ScoreRule<>::key_ranges(p, b, i0 + r, lo, hi, first);
       if (lo < hi && lo < g1 && hi > g0) return true;
+      if (first > g0) return true;  // keep-first's keys [0, first)
     }
     return false;
   }

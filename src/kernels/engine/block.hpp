@@ -11,12 +11,15 @@
 // element by l, once, at the end: one rounding) and softmax_lse = m + log(l).
 //
 // Masks. Key tiles outside the union of the rows' [lo, hi) (causal, window, kv_lens) are never
-// read. A tile is "full" when every row of the block admits every key of it and no explicit mask
+// read; with keep-first the tiles of its first keys [0, first_kb) are read too, before the
+// window's (Block::first_kb), the gap between them never. A tile is "full" when every row of the block admits every key of it and no explicit mask
 // is given; otherwise a scalar pass sets excluded scores to -inf (select, never add, so NaN
 // computed from an excluded K row is discarded) and the PV product skips zero weights, so NaN or
 // inf stored in an excluded V row never meets a 0 weight (0 * NaN). Softcap and explicit masks
-// go through the same scalar pass (tanh from libm). The scores come from the call's score rule
-// (score_rule.hpp), a template parameter of the block's functions.
+// go through the same scalar pass (tanh from libm), and so do ALiBi and keep-first (a rule with
+// the position switch: no tile is full). The scores come from the call's score rule
+// (score_rule.hpp), a template parameter of the block's functions. An attention sink joins the
+// row once, at the end (finish).
 //
 // bf16 inputs with the AVX512_BF16 dot product (Ops::kHasDpbf16 and bf16_dot): QK^T uses
 // vdpbf16ps on (d, d+1) pairs of Q (packed) and K (read in place); PV converts P to bf16 and
@@ -44,6 +47,7 @@ struct Block {
   int n;           // rows
   i64 ka, kb;      // key range to process (already intersected with the rows' union)
   i64 max_lo, min_hi;
+  i64 first_kb = 0;  // keep-first: keys [0, first_kb) processed too, before [ka, kb) (first_kb < ka)
 };
 
 template <IsaOps Ops>
@@ -64,7 +68,24 @@ struct BlockProcessor {
   template <Elt E, bool DP, class Rule>
   static void process(const Problem& p, const Block& blk, const Ws& w) {
     begin<E, DP>(p, blk, w);
+    if constexpr (Rule::kHasPosition)
+      for (i64 t0 = 0; t0 < blk.first_kb; t0 += BK) step<E, DP, Rule>(p, blk, w, t0, true);
     for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) step<E, DP, Rule>(p, blk, w, t0, true);
+  }
+
+  // The next tile of a block after the one at t0: keep-first's tiles [0, first_kb) lead to ka.
+  template <class Rule>
+  static i64 next_tile(const Block& blk, i64 t0) {
+    if constexpr (Rule::kHasPosition)
+      if (t0 < blk.first_kb) return t0 + BK < blk.first_kb ? t0 + BK : blk.ka;
+    return t0 + BK;
+  }
+  // The first tile of a block.
+  template <class Rule>
+  static i64 first_tile(const Block& blk) {
+    if constexpr (Rule::kHasPosition)
+      if (blk.first_kb > 0) return 0;
+    return blk.ka;
   }
 
   // Up to kGroup query blocks of one (batch, head), tile by tile in lockstep: the later blocks
@@ -76,7 +97,7 @@ struct BlockProcessor {
     i64 t[kGroup];
     for (int x = 0; x < g; ++x) {
       begin<E, DP>(p, blk[x], w[x]);
-      t[x] = blk[x].ka;
+      t[x] = first_tile<Rule>(blk[x]);
     }
     for (bool more = g > 0; more;) {
       more = false;
@@ -85,7 +106,7 @@ struct BlockProcessor {
         if (t[x] >= blk[x].kb) continue;
         step<E, DP, Rule>(p, blk[x], w[x], t[x], prefetch);
         prefetch = false;
-        t[x] += BK;
+        t[x] = next_tile<Rule>(blk[x], t[x]);
         more = more || t[x] < blk[x].kb;
       }
     }
@@ -169,7 +190,9 @@ struct BlockProcessor {
     const bool v_inplace = E == Elt::f32 && Dv % W == 0;
     constexpr int esize = E == Elt::f32 ? 4 : 2;
 
-    const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
+    i64 end = blk.kb;
+    if constexpr (Rule::kHasPosition) end = t0 < blk.first_kb ? blk.first_kb : blk.kb;
+    const i64 t1 = std::min<i64>(t0 + BK, end);
     const int kt = static_cast<int>(t1 - t0);
     const bool full = Rule::full(t0, t1, blk.max_lo, blk.min_hi);
     // This tile's V rows are requested during QK^T, the next tile's K rows during PV.
@@ -208,7 +231,7 @@ struct BlockProcessor {
 
     // Scores by the rule (score_rule.hpp): a full tile without options is only scaled, in the
     // softmax pass (mul); causal/window/kv_lens edges alone take the rule's vector form, a select
-    // per query vector; options (mask, softcap) its scalar form.
+    // per query vector; options (mask, softcap, position terms) its scalar form.
     float mul = rule.scale;
     bool vec = false;
     if constexpr (Rule::kVector) {
@@ -230,7 +253,7 @@ struct BlockProcessor {
         const Row& row = w.rows[r];
         for (int j = 0; j < kt; ++j) {
           float& x = w.s[j * ssp + r];
-          x = rule.score(x, t0 + j, row.lo, row.hi, row.mask_off);
+          x = rule.score(x, t0 + j, row.lo, row.hi, row.mask_off, row.pos);
         }
       }
       // Padded rows (r >= n) keep their scores of the zero query (0): finite, never stored.
@@ -314,6 +337,8 @@ struct BlockProcessor {
     r.q_off = b * p.q.sb + h * p.q.sh + i * p.q.ss;
     ScoreRule<>::key_range(p, b, i, r.lo, r.hi);
     r.mask_off = ScoreRule<>::mask_row(p, b, h, i);
+    if (has_position(p)) r.pos = ScoreRule<>::position(p, b, h, i);
+    r.sink = p.sinks.empty() ? -std::numeric_limits<float>::infinity() : static_cast<float>(p.sinks[static_cast<std::size_t>(h)]);
     r.out_off = b * p.out.sb + h * p.out.sh + i * p.out.ss;
     r.lse_off = b * p.lse.sb + h * p.lse.sh + i * p.lse.ss;
     return r;
@@ -338,6 +363,24 @@ struct BlockProcessor {
       if (w.rows[r].lo >= w.rows[r].hi) { max_lo = std::numeric_limits<i64>::max(); min_hi = 0; }
   }
 
+  // Keep-first: the block's first keys [0, max first_hi) joined to its range [ka, kb), as a
+  // leading range of their own while a gap separates them (the window's tiles alone otherwise
+  // skip the first keys; the gap between is never read).
+  static void keep_first(const Ws& w, Block& blk) {
+    i64 first = 0;
+    for (int r = 0; r < blk.n; ++r) first = std::max(first, w.rows[r].pos.first_hi);
+    if (first == 0) return;
+    if (blk.ka >= blk.kb) {
+      blk.ka = 0;
+      blk.kb = first;
+    } else if (first >= blk.ka) {
+      blk.ka = 0;
+      blk.kb = std::max(blk.kb, first);
+    } else {
+      blk.first_kb = first;
+    }
+  }
+
   // ---- the end of a block --------------------------------------------------------------------
   // Normalises the accumulator and writes out and softmax_lse.
   static void finish(const Problem& p, const Ws& w, int n) {
@@ -347,8 +390,10 @@ struct BlockProcessor {
       const float* o = w.o + r * Dvp;
       // Empty iff nothing was admitted: l == 0 exactly (a NaN score leaves m = -inf but l = NaN).
       const bool empty = Sm::empty(w.l[r]);
-      store_out(p, row.out_off, o, empty ? 1.0f : w.l[r], empty, Dv);
-      if (p.lse.data) store_scalar(p.lse.data, p.lse.dtype, row.lse_off, Sm::lse(w.m[r], w.l[r]));
+      float div = empty ? 1.0f : w.l[r], lse = Sm::lse(w.m[r], w.l[r]);
+      if (!p.sinks.empty()) Sm::join_sink(w.m[r], w.l[r], row.sink, div, lse);  // once per row
+      store_out(p, row.out_off, o, div, empty, Dv);
+      if (p.lse.data) store_scalar(p.lse.data, p.lse.dtype, row.lse_off, lse);
     }
   }
 

@@ -14,7 +14,8 @@
 // The parts, class templates over Ops, each using only parts listed above it:
 //   isa_ops.hpp       the concept IsaOps; size_switch.hpp: a run-time count to a template argument
 //   workspace.hpp     the per-thread buffers of a block (the "on-chip" memory), Row, Prefetch
-//   score_rule.hpp    raw dot products to scores (scale, softcap, masks, key ranges): ScoreRule,
+//   score_rule.hpp    raw dot products to scores (scale, softcap, ALiBi, masks, key ranges with
+//                     keep-first): ScoreRule,
 //                     and with_score_rule, the switch from run-time options to the rule type
 //   online_softmax.hpp the running max and sum, the rescale factor, the end (1 / l, lse)
 //   lse_merge.hpp     the log-sum-exp merge of split partials (decode, serving, dist)
@@ -52,11 +53,13 @@ struct Engine {
   static const Problem& problem_of(const Problem& p) { return p; }
   static const Problem& problem_of(const BackwardProblem& bp) { return bp.fwd; }
 
-  template <template <Elt, bool, class> class Fn, class Call>
+  // kPositions: whether the kernel takes the position terms (ALiBi, keep-first): the tiled
+  // forward and the backward do, decode's gate refuses them.
+  template <template <Elt, bool, class> class Fn, bool kPositions, class Call>
   static void dispatch(const Call& call, char* ws, int threads, bool bf16_dot) {
     const Problem& p = problem_of(call);
     auto with_opts = [&]<Elt E, bool DP>() {
-      with_score_rule(p, [&]<class Rule>() { Fn<E, DP, Rule>::run(call, ws, threads); });
+      with_score_rule<true, kPositions>(p, [&]<class Rule>() { Fn<E, DP, Rule>::run(call, ws, threads); });
     };
     switch (p.q.dtype) {
       case DType::bf16:
@@ -93,12 +96,12 @@ struct Engine {
 
   static std::size_t flash_workspace(const Problem& p, int threads) { return Dr::flash_ws(p, threads); }
   static void flash_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
-    dispatch<FlashFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+    dispatch<FlashFn, true>(p, static_cast<char*>(ws), threads, bf16_dot);
   }
   static std::size_t decode_workspace(const Problem& p, int threads) { return Dr::decode_ws(p, threads); }
 
   static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
-    dispatch<DecodeFn>(p, static_cast<char*>(ws), threads, bf16_dot);
+    dispatch<DecodeFn, false>(p, static_cast<char*>(ws), threads, bf16_dot);
   }
 
   // The backward (backward.hpp): the bf16 dot-product form when q, k, v, dO and O are all bf16.
@@ -111,7 +114,7 @@ struct Engine {
   }
   static void backward(const BackwardProblem& bp, void* ws, int threads, bool bf16_dot) {
     const bool dot = bf16_dot && bp.dout.dtype == DType::bf16 && bp.fwd.out.dtype == DType::bf16;
-    dispatch<BackwardFn>(bp, static_cast<char*>(ws), threads, dot);
+    dispatch<BackwardFn, true>(bp, static_cast<char*>(ws), threads, dot);
   }
 };
 

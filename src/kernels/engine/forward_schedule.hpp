@@ -85,6 +85,7 @@ struct Drivers {
     blk.n = static_cast<int>(std::min<i64>(BQ, p.Sq - i0));
     for (int r = 0; r < blk.n; ++r) w.rows[r] = Bp::make_row(p, b, h, i0 + r);
     Bp::block_range(w, blk.n, blk.ka, blk.kb, blk.max_lo, blk.min_hi);
+    Bp::keep_first(w, blk);
     return blk;
   }
 
@@ -165,19 +166,19 @@ struct Drivers {
 
   // Row x = (b Hkv + hk) R + rr of the decode rows: its NC chunk partials (O_c, m_c, l_c) in
   // `parts` ([b][hk][chunk][R] rows of Dvp accumulators, m, l) merged in chunk order (LseMerge,
-  // lse_merge.hpp) and written to out and softmax_lse. G: query heads per KV head. Uses w.o and
+  // lse_merge.hpp; a sink as one more partial) and written to out and softmax_lse. G: query heads per KV head. Uses w.o and
   // w.vbuf as scratch.
   [[gnu::always_inline]] static void merge_partials_lse(const Problem& p, const float* parts, i64 NC, i64 R,
                                                         i64 Dvp, i64 G, i64 x, const Ws& w) {
     const i64 row_f = Dvp + 2;
     const i64 bhk = x / R, rr = x % R;
     const i64 b = bhk / p.Hkv, hk = bhk % p.Hkv;
+    const Row row = Bp::make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
     LseMerge merge(reinterpret_cast<double*>(w.o), p.Dv);  // BQ * Dvp floats >= Dv doubles
-    merge.run(NC, Dvp, [&](i64 c) { return parts + ((bhk * NC + c) * R + rr) * row_f; });
+    merge.run(NC, Dvp, [&](i64 c) { return parts + ((bhk * NC + c) * R + rr) * row_f; }, row.sink);
     float* acc = w.vbuf;  // scratch: vbuf no longer holds a tile
     w.tags[kTagV].kt = 0;
     for (i64 d = 0; d < p.Dv; ++d) acc[d] = merge.out(d);
-    const Row row = Bp::make_row(p, b, hk * G + rr / p.Sq, rr % p.Sq);
     Bp::store_out(p, row.out_off, acc, 1.0f, merge.empty(), p.Dv);
     if (p.lse.data) Bp::store_scalar(p.lse.data, p.lse.dtype, row.lse_off, merge.lse());
   }

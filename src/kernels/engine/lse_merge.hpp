@@ -7,8 +7,11 @@
 // order of c in float64,
 //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
 // over the partials that admitted a key (l_c != 0), rounded once to fp32. A NaN l_c makes the
-// row NaN; a row no partial admitted anything to is empty: O = 0, lse = -inf. Used by the decode
-// driver (forward_schedule.hpp, key chunks) and the serving kernel (serving.cpp, key splits).
+// row NaN; a row no partial admitted anything to is empty: O = 0, lse = -inf. An attention sink
+// z (a logit in the denominator only) joins as one more partial, once per row whatever the
+// number of splits: m = z, l = 1, O = 0; a row with nothing else admitted then has O = 0 and
+// lse = z. Used by the decode driver (forward_schedule.hpp, key chunks) and the serving kernel
+// (serving.cpp, key splits).
 //
 // lse_weight: the weight of a normalised partial against the max of all, for a merge whose sum
 // runs elsewhere (src/dist's decode: a max and a gather across ranks, summed in rank order).
@@ -39,11 +42,12 @@ class LseMerge {
   LseMerge(double* acc, std::int64_t d) : acc_(acc), d_(d) {}
 
   /// Merges the n partials part(c) (c ascending; a pointer to d values O_c, and at index
-  /// m_at the pair m_c, l_c).
+  /// m_at the pair m_c, l_c), and the sink z when given (not -inf).
   template <class Part>
-  [[gnu::always_inline]] void run(std::int64_t n, std::int64_t m_at, Part&& part) {
+  [[gnu::always_inline]] void run(std::int64_t n, std::int64_t m_at, Part&& part,
+                                  float sink = -std::numeric_limits<float>::infinity()) {
     mx_ = -std::numeric_limits<double>::infinity();
-    any_ = nan_ = false;
+    any_ = nan_ = sink_only_ = false;
     for (std::int64_t c = 0; c < n; ++c) {
       const float* x = part(c);
       if (x[m_at + 1] == 0.0f) continue;  // a split with no admissible key
@@ -54,6 +58,15 @@ class LseMerge {
     // In float64 (a few vectors per row: cheap), so the merge adds no rounding but the last.
     for (std::int64_t i = 0; i < d_; ++i) acc_[i] = 0.0;
     lsum_ = 0.0;
+    if (sink != -std::numeric_limits<float>::infinity()) {
+      if (!any_) {  // only the sink: O = 0, lse = z
+        sink_only_ = true;
+        mx_ = sink;
+        return;
+      }
+      mx_ = std::max(mx_, static_cast<double>(sink));
+      if (!nan_) lsum_ = std::exp(static_cast<double>(sink) - mx_);
+    }
     if (!any_ || nan_) return;
     for (std::int64_t c = 0; c < n; ++c) {
       const float* x = part(c);
@@ -72,6 +85,7 @@ class LseMerge {
   }
   /// softmax_lse of the row.
   float lse() const {
+    if (sink_only_) return static_cast<float>(mx_);
     return !any_ ? -std::numeric_limits<float>::infinity()
                  : nan_ ? std::numeric_limits<float>::quiet_NaN() : static_cast<float>(mx_ + std::log(lsum_));
   }
@@ -80,7 +94,7 @@ class LseMerge {
   double* acc_;
   std::int64_t d_;
   double mx_ = 0.0, lsum_ = 0.0;
-  bool any_ = false, nan_ = false;
+  bool any_ = false, nan_ = false, sink_only_ = false;
 };
 
 /// The weight e^{lse - m} of a normalised partial against the row's max m over all partials

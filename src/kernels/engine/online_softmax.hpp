@@ -12,6 +12,7 @@
 //   Row:   one row in scalars (the decode fast path, decode_fast.hpp, and the serving item,
 //          serving_item.hpp, whose single split is the first tile of the state); the tile's max
 //          is reduced over the lanes of a vector of maxima (row_max), l' = alpha l, then + sum.
+// Sinks join at the end (join_sink); the split kernels add them to the merge instead.
 // The state lives in the workspace (Ws::m, l, alpha) and in the partials of the split kernels,
 // merged by lse_merge.hpp.
 #include <cmath>
@@ -82,6 +83,21 @@ struct OnlineSoftmax {
   /// The end of a row: whether it is empty, and its softmax_lse.
   static bool empty(float l) { return l == 0.0f; }
   static float lse(float m, float l) { return empty(l) ? kNegInf : m + std::log(l); }
+
+  /// The end of a row with an attention sink z (a logit in the denominator only, no value;
+  /// gpt-oss, Xiao et al. 2023): the divisor of O, l + e^{z - m}, and softmax_lse, m + log of
+  /// it, in float64 (no overflow for z far above the scores), rounded once. An empty row (l = 0)
+  /// keeps O = 0 and has lse = z. Joined once per row, after the last tile.
+  static void join_sink(float m, float l, float z, float& div, float& lse_out) {
+    if (empty(l)) {
+      div = 1.0f;
+      lse_out = z;
+      return;
+    }
+    const double L = static_cast<double>(l) + std::exp(static_cast<double>(z) - static_cast<double>(m));
+    div = static_cast<float>(L);
+    lse_out = static_cast<float>(static_cast<double>(m) + std::log(L));
+  }
 };
 
 }  // namespace qkv::detail::QKV_ENGINE_NS

@@ -4,25 +4,23 @@
 // decode fast path, decode_fast.hpp; the serving item, serving_item.hpp, packed, paged and
 // quantized caches alike):
 //   s_j = scale (q . k_j), then softcap: s_j = softcap tanh(s_j / softcap) (Gemma 2), then the
-//   explicit mask: + its additive term, or excluded where it says false or -inf; keys outside the
-//   row's admissible range [lo, hi) (causal, window, key lengths: Problem::key_range) excluded.
+//   position term: ALiBi's bias - slope |diag - j| (Press et al. 2022, sec. 3), then the explicit
+//   mask: + its additive term, or excluded where it says false or -inf; keys outside the row's
+//   admissible range [lo, hi) (causal, window, key lengths: Problem::key_range) excluded, but
+//   with window_keep_first the first keys [0, first_hi) admitted too (StreamingLLM, Xiao et al.
+//   2023, sec. 3.2; first_hi: Problem::key_ranges).
 // An excluded score is -inf by select, never by addition, so a NaN computed from an excluded K
-// row is discarded.
+// row is discarded. Attention sinks (a logit per head in the denominator only) are no score:
+// the online softmax joins them at the end of a row (online_softmax.hpp, join_sink), the split
+// kernels as one more partial of the merge (lse_merge.hpp).
 //
-// ScoreRule<kMask, kSoftcap> carries the per-call values (scale, softcap, the mask operand) and
-// its options as compile-time flags, so a kernel is written once over its rule `R` and the
-// branches of options it does not have vanish. with_score_rule() is the one switch from a call's
-// run-time options to the rule type. A new option (attention sinks, ALiBi slopes, a window that
-// keeps the first tokens) is one more parameter here and in with_score_rule, its per-call
-// values a member, and its term in score() and vec().
-//
-// Two forms of the same rule:
-//   scalar: score(x, g, lo, hi, mask offset) -> s or -inf (or admits() and scaled() apart, for
-//           the backward, which keeps tanh for the derivative, grad(), and its own exclusion
-//           value);
-//   vector: vec<Ops>(x, lo, hi, g) on W lanes (rows of one key, or keys of one row): scale, then
-//           keys outside [lo, hi) to -inf. It covers a rule without mask (kVector); with softcap,
-//           the scalar scaled() has already scaled and capped x, and vec only selects.
+// ScoreRule<kMask, kSoftcap, kPosition> carries the per-call values (scale, softcap, the mask
+// operand) and its options as compile-time flags, so a kernel is written once over its rule `R`
+// and the branches of options it does not have vanish: a rule without kPosition compiles to the
+// code it had before the position terms existed. with_score_rule() is the one switch from a
+// call's run-time options to the rule type. The position terms of a row (keep-first range, ALiBi
+// slope and diagonal) are per row, in a Position (workspace.hpp) the scalar form reads.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -33,12 +31,13 @@
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
-template <bool kMask = false, bool kSoftcap = false>
+template <bool kMask = false, bool kSoftcap = false, bool kPosition = false>
 struct ScoreRule {
   static constexpr bool kHasMask = kMask;
   static constexpr bool kHasSoftcap = kSoftcap;
+  static constexpr bool kHasPosition = kPosition;
   // Scores from raw dot products by the vector form alone (scale and key range).
-  static constexpr bool kVector = !kMask && !kSoftcap;
+  static constexpr bool kVector = !kMask && !kSoftcap && !kPosition;
 
   float scale, softcap;
   MaskOperand mask;
@@ -51,11 +50,33 @@ struct ScoreRule {
   static void key_range(const Problem& p, i64 b, i64 i, i64& lo, i64& hi) { p.key_range(b, i, lo, hi); }
   /// The element offset of (b, h, i, 0) in the mask.
   static i64 mask_row(const Problem& p, i64 b, i64 h, i64 i) { return b * p.mask.sb + h * p.mask.sh + i * p.mask.sq; }
+  /// Problem::key_ranges written inline: key_range's [lo, hi) and keep-first's [0, first_hi).
+  /// (Calls of Problem's own would leave an out-of-line copy, a weak symbol shared by the ISA
+  /// objects: scripts/check_isa_symbols.py.)
+  [[gnu::always_inline]] static void key_ranges(const Problem& p, i64 b, i64 i, i64& lo, i64& hi, i64& first_hi) {
+    const i64 len = p.kv_lens.empty() ? p.Sk : p.kv_lens[static_cast<std::size_t>(b)];
+    const i64 d = p.align == Alignment::bottom_right ? i + len - p.Sq : i;  // the diagonal
+    const i64 right = p.window_right < 0 ? len : std::min<i64>(len, d + p.window_right + 1);
+    lo = p.window_left < 0 ? 0 : std::max<i64>(0, d - p.window_left);
+    hi = right < lo ? lo : right;
+    first_hi = std::max<i64>(0, std::min(p.keep_first, right));
+  }
+  /// The position terms of row i of batch b, head h (keep-first range, ALiBi slope, diagonal).
+  static Position position(const Problem& p, i64 b, i64 h, i64 i) {
+    Position ps;
+    i64 lo, hi;
+    key_ranges(p, b, i, lo, hi, ps.first_hi);
+    ps.diag = p.diag(b, i);
+    ps.slope = p.alibi.empty() ? 0.0f : static_cast<float>(p.slope(b, h));
+    return ps;
+  }
 
   // ---- per tile ---------------------------------------------------------------------------------
   /// Whether rows whose ranges all contain [max_lo, min_hi) admit every key of [t0, t1) with
   /// its score unmasked: such a tile needs no exclusion.
-  static bool full(i64 t0, i64 t1, i64 max_lo, i64 min_hi) { return !kMask && t0 >= max_lo && t1 <= min_hi; }
+  static bool full(i64 t0, i64 t1, i64 max_lo, i64 min_hi) {
+    return !kMask && !kPosition && t0 >= max_lo && t1 <= min_hi;
+  }
 
   // ---- scalar form ------------------------------------------------------------------------------
   /// Whether key g lies in the row's range [lo, hi) (all a rule without mask asks of a key).
@@ -88,9 +109,35 @@ struct ScoreRule {
   }
   /// The score of raw dot product x for key g (see admits), -inf where excluded.
   [[gnu::always_inline]] float score(float x, i64 g, i64 lo, i64 hi, i64 mo) const {
+    static_assert(!kPosition, "a rule with position terms takes the row's Position");
     float add = 0.0f;
     const bool ok = admits(g, lo, hi, mo, add);
     const float y = scaled(x);
+    return ok ? y + add : -std::numeric_limits<float>::infinity();
+  }
+
+  // ---- scalar form with the position terms (any rule; kPosition reads ps) ---------------------
+  /// admits() with keep-first: key g below hi and in [lo, hi) or [0, ps.first_hi).
+  [[gnu::always_inline]] bool admits(i64 g, i64 lo, i64 hi, i64 mo, const Position& ps, float& add) const {
+    if constexpr (!kPosition) return admits(g, lo, hi, mo, add);
+    bool ok = g < hi && (g >= lo || g < ps.first_hi);
+    if constexpr (kMask) ok = ok && mask_admits(mask, mo + g * mask.sk, add);
+    return ok;
+  }
+  /// y (scaled()) plus ALiBi's bias for key g: - slope |diag - g| (0 without ALiBi, exactly).
+  [[gnu::always_inline]] float biased(float y, i64 g, const Position& ps) const {
+    if constexpr (kPosition) {
+      const i64 dist = ps.diag > g ? ps.diag - g : g - ps.diag;
+      return y - ps.slope * static_cast<float>(dist);
+    }
+    return y;
+  }
+  /// The score of raw dot product x for key g of a row with position terms ps.
+  [[gnu::always_inline]] float score(float x, i64 g, i64 lo, i64 hi, i64 mo, const Position& ps) const {
+    if constexpr (!kPosition) return score(x, g, lo, hi, mo);
+    float add = 0.0f;
+    const bool ok = admits(g, lo, hi, mo, ps, add);
+    const float y = biased(scaled(x), g, ps);
     return ok ? y + add : -std::numeric_limits<float>::infinity();
   }
 
@@ -111,21 +158,31 @@ struct ScoreRule {
   }
 };
 
+/// Whether a call has position terms (ALiBi slopes or window_keep_first).
+inline bool has_position(const Problem& p) { return !p.alibi.empty() || p.keep_first > 0; }
+
 /// The one switch from a call's run-time options to its score rule: f.template operator()<R>().
-/// kMasks = false for the kernels that take no explicit mask (serving), so that no masked rule
-/// is instantiated for them.
-template <bool kMasks = true, class F>
+/// kMasks = false for the kernels that take no explicit mask (serving), kPositions = false for
+/// those that take no position terms (their gates refuse them), so that no such rule is
+/// instantiated for them.
+template <bool kMasks = true, bool kPositions = false, class F>
 [[gnu::always_inline]] inline void with_score_rule(const Problem& p, F&& f) {
   const bool cap = p.softcap > 0.0;
+  auto with_pos = [&]<bool kM, bool kC>() {
+    if constexpr (kPositions) {
+      if (has_position(p)) { f.template operator()<ScoreRule<kM, kC, true>>(); return; }
+    }
+    f.template operator()<ScoreRule<kM, kC, false>>();
+  };
   if (kMasks && p.mask.data != nullptr) {
     if constexpr (kMasks) {
-      if (cap) f.template operator()<ScoreRule<true, true>>();
-      else f.template operator()<ScoreRule<true, false>>();
+      if (cap) with_pos.template operator()<true, true>();
+      else with_pos.template operator()<true, false>();
       return;
     }
   }
-  if (cap) f.template operator()<ScoreRule<false, true>>();
-  else f.template operator()<ScoreRule<false, false>>();
+  if (cap) with_pos.template operator()<false, true>();
+  else with_pos.template operator()<false, false>();
 }
 
 }  // namespace qkv::detail::QKV_ENGINE_NS

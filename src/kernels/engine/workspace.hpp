@@ -38,10 +38,21 @@ inline constexpr std::size_t kAlign = 64;
 inline std::size_t align_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 inline i64 round_up(i64 n, i64 m) { return (n + m - 1) / m * m; }
 
+/// The position terms of one query row (a score rule with kPosition, score_rule.hpp): the first
+/// keys [0, first_hi) that window_keep_first admits besides [lo, hi), and ALiBi's slope and the
+/// row's diagonal key (bias -slope |diag - j|; slope 0 without ALiBi).
+struct Position {
+  i64 first_hi = 0;
+  i64 diag = 0;
+  float slope = 0.0f;
+};
+
 /// One query row of a block: where it comes from, what it may attend, where it goes.
 struct Row {
   i64 q_off;          // element offset of the row in q
   i64 lo, hi;         // admissible key range (causal, window, kv_lens)
+  Position pos;       // keep-first range and ALiBi (read by rules with kPosition only)
+  float sink;         // the head's sink logit z_h (-inf without sinks)
   i64 mask_off;       // element offset of (b, h, i, 0) in the mask
   i64 out_off;        // element offset of (b, h, i, 0) in out
   i64 lse_off;        // element offset of (b, h, i) in softmax_lse
