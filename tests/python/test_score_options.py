@@ -443,21 +443,26 @@ def test_explain_shows_the_score_options():
     assert plain["sinks"] is None and plain["sink_weights"] is None and plain["alibi_slopes"] is None
 
 
-def test_fast_kernels_refuse_the_options_by_name_and_explain_says_so():
-    # in this version the reference runs them: kernel="auto" picks it, a forced fast kernel is refused
+def test_fast_kernels_take_the_options_and_explain_says_which():
+    # flash (forward and backward) takes all three, equal to the float64 reference; decode takes
+    # sinks only and refuses the position terms by name (flash runs those calls)
     q = rand(1, 2, 3, 8, seed=0)
-    z = np.zeros(2, np.float32)
-    for kw, name in ((dict(sinks=z), "sinks"), (dict(alibi_slopes=z), "alibi_slopes"),
+    z = np.array([0.5, -1.0], np.float32)
+    for kw, name in ((dict(sinks=z), "sinks"), (dict(alibi_slopes=np.abs(z)), "alibi_slopes"),
                      (dict(keep_first=1, window=(1, 0)), "keep_first")):
-        assert "reference: chosen" in qkv.explain_dispatch(q, q, q, **kw)
-        assert f"flash: refused ({'window_' if name == 'keep_first' else ''}{name}" in \
-            qkv.explain_dispatch(q, q, q, **kw)
-        for kernel in ("flash", "decode"):
+        assert "reference: usable, lower priority" in qkv.explain_dispatch(q, q, q, **kw)
+        ref = qkv.attention(q, q, q, kernel="reference", **kw)
+        np.testing.assert_allclose(qkv.attention(q, q, q, kernel="flash", **kw), ref, rtol=0, atol=2e-6)
+        if name == "sinks":
+            np.testing.assert_allclose(qkv.attention(q, q, q, kernel="decode", **kw), ref, rtol=0, atol=2e-6)
+        else:
             with pytest.raises(ValueError, match=f"kernel: .*{name}"):
-                qkv.attention(q, q, q, kernel=kernel, **kw)
-    assert "reference: chosen" in qkv.explain_dispatch(q, q, q, sinks=z, backward=True)
+                qkv.attention(q, q, q, kernel="decode", **kw)
+    assert "flash: chosen" in qkv.explain_dispatch(q, q, q, sinks=z, backward=True)
     out, lse = qkv.attention(q, q, q, sinks=z, return_lse=True)
-    with pytest.raises(ValueError, match="kernel: .*sinks"):
-        qkv.attention_backward(q, q, q, out, lse, out, sinks=z, kernel="flash")
+    fast = qkv.attention_backward(q, q, q, out, lse, out, sinks=z, kernel="flash")
+    ref = qkv.attention_backward(q, q, q, out, lse, out, sinks=z, kernel="reference")
+    for a, b in zip(fast, ref):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="sinks: expected finite"):
         qkv.attention(q, q, q, sinks=np.array([np.nan, 0], np.float32))

@@ -25,7 +25,11 @@ def _recording(module, query, key, value, attention_mask, **kwargs):
     return qt.attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-transformers.AttentionInterface.register("qkv", _recording)
+@pytest.fixture(autouse=True)
+def _record_qkv_calls():
+    # registered per test: another test of the same session (the README's) may register "qkv" anew
+    qt.register()
+    transformers.AttentionInterface.register("qkv", _recording)
 
 
 def _minilm_path():
