@@ -65,6 +65,7 @@ struct BackwardTiles {
     float* di;    // [BQ]       D = rowsum(dO * O)
     float* lo_f;  // [BQ]       key range as floats (vector select)
     float* hi_f;  // [BQ]
+    float* pos_f; // [3][BQ]    position terms as floats: first_hi, diag, slope (vector form)
     float* ones;  // [max(BQ, BK)]
     float* acc;   // [Dp]       the sum of one row's dQ buffers
     BRow* rows;   // [BQ]
@@ -111,6 +112,7 @@ struct BackwardTiles {
     w.di = take(BQ * f);
     w.lo_f = take(BQ * f);
     w.hi_f = take(BQ * f);
+    w.pos_f = take(3 * BQ * f);
     w.ones = take(M * f);
     w.acc = take(Dp * f);
     w.rows = reinterpret_cast<BRow*>(take(BQ * sizeof(BRow)));
@@ -240,6 +242,7 @@ struct BackwardTiles {
         w.lse[r] = inf;
         w.lo_f[r] = -1e30f;
         w.hi_f[r] = 1e30f;
+        if (pos) ScoreRule<>::position_lanes(Position{}, w.pos_f[r], w.pos_f[BQ + r], w.pos_f[2 * BQ + r]);
         continue;
       }
       const i64 i = i0 + r;
@@ -249,6 +252,7 @@ struct BackwardTiles {
       if (pos) {
         row.pos = ScoreRule<>::position(p, b, h, i);
         qb.first_max = std::max(qb.first_max, row.pos.first_hi);
+        ScoreRule<>::position_lanes(row.pos, w.pos_f[r], w.pos_f[BQ + r], w.pos_f[2 * BQ + r]);
       }
       if (row.lo < row.hi) {
         qb.lo_min = std::min(qb.lo_min, row.lo);
@@ -345,6 +349,23 @@ struct BackwardTiles {
   static void probs(const Problem& p, const Ws& w, const QBlock& qb, i64 t0, int kt, bool full) {
     const int n = qb.n, nqv = qb.nqv, sp = nqv * W;
     const Rule rule(p);
+    if constexpr (Rule::kVectorForm && Rule::kHasPosition) {
+      if (t0 + kt < (i64{1} << 24) && Rule::position_exact(p)) {  // keys and distances exact as floats
+        const bool first = t0 < p.keep_first;  // keep-first's keys within reach
+        for (int c = 0; c < nqv; ++c) {
+          const V l = Ops::load(w.lse + c * W), lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W);
+          const PositionV<Ops> ps = PositionV<Ops>::load(w.pos_f + c * W, w.pos_f + BQ + c * W, w.pos_f + 2 * BQ + c * W);
+          for (int j = 0; j < kt; ++j) {
+            float* e = w.s + j * SP + c * W;
+            const V g = Ops::set1(static_cast<float>(t0 + j));
+            const V y = full ? rule.template vec_full<Ops>(Ops::load(e), g, ps)
+                             : rule.template vec<Ops>(Ops::load(e), lo, hi, g, ps, first);
+            Ops::store(e, Ops::exp(Ops::sub(y, l)));
+          }
+        }
+        return;
+      }
+    }
     if constexpr (Rule::kVector) {
       if (t0 + kt < (i64{1} << 24)) {  // key indices exact as floats
         for (int c = 0; c < nqv; ++c) {

@@ -12,12 +12,14 @@
 //
 // Masks. Key tiles outside the union of the rows' [lo, hi) (causal, window, kv_lens) are never
 // read; with keep-first the tiles of its first keys [0, first_kb) are read too, before the
-// window's (Block::first_kb), the gap between them never. A tile is "full" when every row of the block admits every key of it and no explicit mask
-// is given; otherwise a scalar pass sets excluded scores to -inf (select, never add, so NaN
-// computed from an excluded K row is discarded) and the PV product skips zero weights, so NaN or
-// inf stored in an excluded V row never meets a 0 weight (0 * NaN). Softcap and explicit masks
-// go through the same scalar pass (tanh from libm), and so do ALiBi and keep-first (a rule with
-// the position switch: no tile is full). The scores come from the call's score rule
+// window's (Block::first_kb), the gap between them never. A tile is "full" when every row of the
+// block admits every key of it and no explicit mask is given; otherwise excluded scores are set
+// to -inf (select, never add, so NaN computed from an excluded K row is discarded) and the PV
+// product skips zero weights, so NaN or inf stored in an excluded V row never meets a 0 weight
+// (0 * NaN). Causal, window and kv_lens edges take a vector select per query vector; so do
+// keep-first's first keys (one more select) and ALiBi's bias (per lane, full tiles too). Softcap
+// and explicit masks take a scalar pass (tanh from libm), with the position terms where they are
+// combined with one of those. The scores come from the call's score rule
 // (score_rule.hpp), a template parameter of the block's functions. An attention sink joins the
 // row once, at the end (finish).
 //
@@ -144,9 +146,17 @@ struct BlockProcessor {
         w.lo_f[r] = r < n ? static_cast<float>(w.rows[r].lo) : -1e30f;
         w.hi_f[r] = r < n ? static_cast<float>(w.rows[r].hi) : 1e30f;
       }
+    // The position terms too (padded rows: no keep-first, slope 0).
+    if (has_position(p) && vec_position(p, blk))
+      for (int r = 0; r < sp; ++r)
+        ScoreRule<>::position_lanes(r < n ? w.rows[r].pos : Position{}, w.pos_f[r], w.pos_f[BQ + r],
+                                    w.pos_f[2 * BQ + r]);
   }
 
   static bool vec_ranges(const Block& blk) { return blk.kb < (i64{1} << 24); }
+  static bool vec_position(const Problem& p, const Block& blk) {
+    return vec_ranges(blk) && ScoreRule<false, false, true>::position_exact(p);
+  }
 
   // w.qt[d * sp + r] = q_r[d] (fp32), rows r >= n zero; bf16/f16 rows are converted into w.qr
   // first.
@@ -229,11 +239,14 @@ struct BlockProcessor {
       }
     }
 
-    // Scores by the rule (score_rule.hpp): a full tile without options is only scaled, in the
-    // softmax pass (mul); causal/window/kv_lens edges alone take the rule's vector form, a select
-    // per query vector; options (mask, softcap, position terms) its scalar form.
+    // Scores by the rule (score_rule.hpp): a full tile without options (or with keep-first alone)
+    // is only scaled, in the softmax pass (mul); causal/window/kv_lens edges and the position
+    // terms take the rule's vector form, a select (and ALiBi's bias) per query vector; a mask or
+    // softcap its scalar form.
     float mul = rule.scale;
     bool vec = false;
+    bool pass = !full || Rule::kHasSoftcap;  // whether the scores need more than the scale
+    if constexpr (Rule::kHasPosition) pass = pass || !p.alibi.empty();
     if constexpr (Rule::kVector) {
       vec = !full && vec_ranges(blk);
       if (vec) {
@@ -246,8 +259,14 @@ struct BlockProcessor {
           }
         }
       }
+    } else if constexpr (Rule::kVectorForm) {  // position terms
+      vec = pass && vec_position(p, blk);
+      if (vec) {
+        mul = 1.0f;
+        position_scores(rule, w, nqv, ssp, t0, kt, full, t0 < p.keep_first);
+      }
     }
-    if (!vec && (!full || Rule::kHasSoftcap)) {
+    if (!vec && pass) {
       mul = 1.0f;
       for (int r = 0; r < n; ++r) {
         const Row& row = w.rows[r];
@@ -297,6 +316,28 @@ struct BlockProcessor {
       Mk::template pv_tile<false>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
     else
       Mk::template pv_tile<true>(w.s, ssp, vt, vs, kt, w.o, Dvp, w.alpha, n, nvec, pf_k);
+  }
+
+  // The scores of a tile by a rule with position terms, in place, W rows at a time (the rule's
+  // vector form): full, scaled and biased; else keys outside each row's range (and keep-first's
+  // keys, `first`: the tile starts below keep_first) set to -inf.
+  template <class Rule>
+  static void position_scores(const Rule& rule, const Ws& w, int nqv, int ssp, i64 t0, int kt, bool full,
+                              bool first) {
+    for (int c = 0; c < nqv; ++c) {
+      const PositionV<Ops> ps = PositionV<Ops>::load(w.pos_f + c * W, w.pos_f + BQ + c * W, w.pos_f + 2 * BQ + c * W);
+      float* sc = w.s + c * W;
+      if (full) {
+        for (int j = 0; j < kt; ++j)
+          Ops::store(sc + j * ssp,
+                     rule.template vec_full<Ops>(Ops::load(sc + j * ssp), Ops::set1(static_cast<float>(t0 + j)), ps));
+        continue;
+      }
+      const V lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W);
+      for (int j = 0; j < kt; ++j)
+        Ops::store(sc + j * ssp, rule.template vec<Ops>(Ops::load(sc + j * ssp), lo, hi,
+                                                         Ops::set1(static_cast<float>(t0 + j)), ps, first));
+    }
   }
 
   // Online-softmax update of one tile (online_softmax.hpp, rows in lanes): scores (times `mul`)

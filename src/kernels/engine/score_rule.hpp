@@ -19,7 +19,8 @@
 // and the branches of options it does not have vanish: a rule without kPosition compiles to the
 // code it had before the position terms existed. with_score_rule() is the one switch from a
 // call's run-time options to the rule type. The position terms of a row (keep-first range, ALiBi
-// slope and diagonal) are per row, in a Position (workspace.hpp) the scalar form reads.
+// slope and diagonal) are per row, in a Position (workspace.hpp) the scalar form reads; the vector
+// form reads them as float lanes, W rows at a time (PositionV), and gives the same bits.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,13 +32,27 @@
 
 namespace qkv::detail::QKV_ENGINE_NS {
 
+/// The position terms of W rows (a Position per lane, ScoreRule::position_lanes), for the
+/// vector form.
+template <IsaOps Ops>
+struct PositionV {
+  typename Ops::V first_hi, diag, slope;
+  /// Lanes from the arrays of first_hi, diag and slope floats (W each).
+  [[gnu::always_inline]] static PositionV load(const float* first_hi, const float* diag, const float* slope) {
+    return {Ops::load(first_hi), Ops::load(diag), Ops::load(slope)};
+  }
+};
+
 template <bool kMask = false, bool kSoftcap = false, bool kPosition = false>
 struct ScoreRule {
   static constexpr bool kHasMask = kMask;
   static constexpr bool kHasSoftcap = kSoftcap;
   static constexpr bool kHasPosition = kPosition;
-  // Scores from raw dot products by the vector form alone (scale and key range).
-  static constexpr bool kVector = !kMask && !kSoftcap && !kPosition;
+  // Scores from raw dot products by the vector form: scale, key range and the position terms
+  // (an explicit mask, and softcap's tanh from libm, take the scalar form).
+  static constexpr bool kVectorForm = !kMask && !kSoftcap;
+  // The vector form without position terms: no option at all (the kernels' plain fast paths).
+  static constexpr bool kVector = kVectorForm && !kPosition;
 
   float scale, softcap;
   MaskOperand mask;
@@ -72,10 +87,11 @@ struct ScoreRule {
   }
 
   // ---- per tile ---------------------------------------------------------------------------------
-  /// Whether rows whose ranges all contain [max_lo, min_hi) admit every key of [t0, t1) with
-  /// its score unmasked: such a tile needs no exclusion.
+  /// Whether rows whose ranges all contain [max_lo, min_hi) admit every key of [t0, t1) without
+  /// a mask: such a tile needs no exclusion (keep-first only admits more keys; ALiBi's bias is
+  /// still to add: biased, vec_full).
   static bool full(i64 t0, i64 t1, i64 max_lo, i64 min_hi) {
-    return !kMask && !kPosition && t0 >= max_lo && t1 <= min_hi;
+    return !kMask && t0 >= max_lo && t1 <= min_hi;
   }
 
   // ---- scalar form ------------------------------------------------------------------------------
@@ -124,7 +140,10 @@ struct ScoreRule {
     if constexpr (kMask) ok = ok && mask_admits(mask, mo + g * mask.sk, add);
     return ok;
   }
-  /// y (scaled()) plus ALiBi's bias for key g: - slope |diag - g| (0 without ALiBi, exactly).
+  /// y (scaled()) plus ALiBi's bias for key g: y - slope |diag - g| (y itself without ALiBi:
+  /// slope 0). Two roundings, the product's then the difference's (no FMA: the build sets
+  /// -ffp-contract=off), exactly as biased_v rounds: the distance is exact as a float
+  /// (position_exact), so both forms give the same bits.
   [[gnu::always_inline]] float biased(float y, i64 g, const Position& ps) const {
     if constexpr (kPosition) {
       const i64 dist = ps.diag > g ? ps.diag - g : g - ps.diag;
@@ -132,13 +151,15 @@ struct ScoreRule {
     }
     return y;
   }
-  /// The score of raw dot product x for key g of a row with position terms ps.
+  /// The score of raw dot product x for key g of a row with position terms ps (without a mask
+  /// no + 0 is added: a -0 score stays -0, as in the vector form).
   [[gnu::always_inline]] float score(float x, i64 g, i64 lo, i64 hi, i64 mo, const Position& ps) const {
     if constexpr (!kPosition) return score(x, g, lo, hi, mo);
     float add = 0.0f;
     const bool ok = admits(g, lo, hi, mo, ps, add);
-    const float y = biased(scaled(x), g, ps);
-    return ok ? y + add : -std::numeric_limits<float>::infinity();
+    float y = biased(scaled(x), g, ps);
+    if constexpr (kMask) y = y + add;
+    return ok ? y : -std::numeric_limits<float>::infinity();
   }
 
   // ---- vector form ------------------------------------------------------------------------------
@@ -153,9 +174,51 @@ struct ScoreRule {
   template <IsaOps Ops>
   [[gnu::always_inline]] typename Ops::V vec(typename Ops::V x, typename Ops::V lo, typename Ops::V hi,
                                              typename Ops::V g) const {
-    static_assert(!kMask, "an explicit mask takes the scalar form");
+    static_assert(!kMask && !kPosition, "an explicit mask takes the scalar form, position terms the PositionV form");
     return Ops::range_select(scale_v<Ops>(x), lo, hi, g);
   }
+
+  // ---- vector form with the position terms (kVectorForm rules; any, without kPosition) -------
+  /// Whether the position terms' vector form is exact for p: row diagonals, key indices and
+  /// their distances all below 2^24 in magnitude, so exact as floats (|diag - g| <= Sq + Sk).
+  static bool position_exact(const Problem& p) { return !kPosition || p.Sq + p.Sk < (i64{1} << 24); }
+  /// A row's position terms as the floats of its lanes: first_hi, diag, slope (position_exact).
+  static void position_lanes(const Position& ps, float& first_hi, float& diag, float& slope) {
+    first_hi = static_cast<float>(ps.first_hi);
+    diag = static_cast<float>(ps.diag);
+    slope = ps.slope;
+  }
+  /// W scores (scaled) plus ALiBi's bias for key g: the operations of biased(), per lane.
+  template <IsaOps Ops>
+  [[gnu::always_inline]] typename Ops::V biased_v(typename Ops::V y, typename Ops::V g,
+                                                  const PositionV<Ops>& ps) const {
+    if constexpr (kPosition) {
+      const typename Ops::V dist = Ops::max(Ops::sub(ps.diag, g), Ops::sub(g, ps.diag));  // exact
+      return Ops::sub(y, Ops::mul(ps.slope, dist));
+    }
+    return y;
+  }
+  /// W scores of a full tile (every lane's key admitted): scaled and biased.
+  template <IsaOps Ops>
+  [[gnu::always_inline]] typename Ops::V vec_full(typename Ops::V x, typename Ops::V g,
+                                                  const PositionV<Ops>& ps) const {
+    static_assert(kVectorForm, "an explicit mask or softcap takes the scalar form");
+    return biased_v<Ops>(scale_v<Ops>(x), g, ps);
+  }
+  /// W scores, scaled and biased, lanes whose key g is not admitted set to -inf: admitted as in
+  /// admits(), g < hi and (g >= lo or g < first_hi). `first`: whether g may lie below some lane's
+  /// first_hi (false: keep-first's keys are out of reach and the select is vec()'s).
+  template <IsaOps Ops>
+  [[gnu::always_inline]] typename Ops::V vec(typename Ops::V x, typename Ops::V lo, typename Ops::V hi,
+                                             typename Ops::V g, const PositionV<Ops>& ps, bool first) const {
+    static_assert(kVectorForm, "an explicit mask or softcap takes the scalar form");
+    // Keep-first: a lane whose key lies below its first_hi takes lo = -inf (admitted up to hi),
+    // the others keep lo; one more select, no new operation of the ISA.
+    const typename Ops::V l = first ? Ops::range_select(lo, ps.first_hi, Ops::set1(kNoKey), g) : lo;
+    return Ops::range_select(biased_v<Ops>(scale_v<Ops>(x), g, ps), l, hi, g);
+  }
+  // Above every key index (exact keys stay below 2^24).
+  static constexpr float kNoKey = 1e30f;
 };
 
 /// Whether a call has position terms (ALiBi slopes or window_keep_first).

@@ -115,6 +115,7 @@ struct Ws {
   float* alpha;       // [BQ]
   float* lo_f;        // [BQ] admissible key range per row, as floats
   float* hi_f;        // [BQ]
+  float* pos_f;       // [3][BQ] position terms per row as floats: first_hi, diag, slope
   float* kbuf;        // [BK][Dp] fp32 (converted K rows)
   float* vbuf;        // [BK][Dvp] fp32
   std::uint32_t* pp;  // [BK/2][BQ] bf16 pairs of P
@@ -137,7 +138,7 @@ struct Workspace {
   static std::size_t ws_bytes(const Problem& p) {
     const std::size_t f = sizeof(float);
     return 2 * align_up(dp(p) * BQ * f) + align_up(BK * (BQ + W) * f) + align_up(BQ * dvp(p) * f) +
-           5 * align_up(BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
+           5 * align_up(BQ * f) + align_up(3 * BQ * f) + align_up(BK * dp(p) * f) + align_up(BK * dvp(p) * f) +
            align_up(BK / 2 * BQ * 4) + align_up(BK / 2 * dvp(p) * 4) + align_up(BQ * sizeof(Row)) +
            align_up(3 * sizeof(TileTag));
   }
@@ -155,6 +156,7 @@ struct Workspace {
     w.alpha = reinterpret_cast<float*>(take(BQ * f));
     w.lo_f = reinterpret_cast<float*>(take(BQ * f));
     w.hi_f = reinterpret_cast<float*>(take(BQ * f));
+    w.pos_f = reinterpret_cast<float*>(take(3 * BQ * f));
     w.kbuf = reinterpret_cast<float*>(take(BK * dp(p) * f));
     w.vbuf = reinterpret_cast<float*>(take(BK * dvp(p) * f));
     w.pp = reinterpret_cast<std::uint32_t*>(take(BK / 2 * BQ * 4));
