@@ -93,6 +93,13 @@ void run_bench(BenchOptions o) {
     print_row(out, r, kind_width);
     rows.push_back(std::move(r));
   };
+  // A forward or backward row, then its option rows (--sinks, --alibi, --keep-first) beside it.
+  const std::vector<std::string> options = o.row_options();
+  auto emit_with_options = [&](Row plain) {
+    const Row p = plain;
+    emit(std::move(plain));
+    for (const std::string& opt : options) emit(run.measure_option(p, opt));
+  };
   if (o.forward_rows()) {
     for (std::int64_t D : o.head_dims)
       for (std::int64_t S : o.seqlens) {
@@ -101,7 +108,8 @@ void run_bench(BenchOptions o) {
         const bench::Inputs f32 = bench::make_inputs(s, DType::f32);
         for (bool c : causals)
           for (DType d : dtypes)
-            if (!skip_reference(out, o, s, c, d, threads)) emit(run.measure("forward", s, c, d, threads, &f32));
+            if (!skip_reference(out, o, s, c, d, threads))
+              emit_with_options(run.measure("forward", s, c, d, threads, &f32));
       }
   }
   if (o.decode_rows()) {
@@ -127,7 +135,7 @@ void run_bench(BenchOptions o) {
           // The float32 inputs (out and softmax_lse of one forward call) serve the float32 row and
           // the baseline, which checks every dtype's dQ.
           const bench::BackwardInputs f32 = bench::make_backward_inputs(s, DType::f32, DType::f32, run.params(c, threads));
-          for (DType d : run_dtypes) emit(run.measure_backward("backward", s, c, d, threads, &f32));
+          for (DType d : run_dtypes) emit_with_options(run.measure_backward("backward", s, c, d, threads, &f32));
         }
       }
   }
@@ -252,6 +260,21 @@ void add_bench(CLI::App& app) {
                 "Sq=Sk=--memory-seqlen, Hq=8, D=128");
   cmd->add_option("--memory-seqlen", o->memory_seqlen, "sequence length of the memory row (default 32768)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--window", o->window,
+                  "forward and backward rows (plain and option rows): a sliding window of N keys left of the diagonal "
+                  "(window_left N; the baselines, which have none, are skipped; rates still count every causal score)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--sinks", o->sinks,
+                "also a row with attention sinks (one logit per head, 1.0) beside each forward and backward row, and "
+                "its time over the plain row's (medians, same run)");
+  cmd->add_flag("--alibi", o->alibi,
+                "also a row with ALiBi (the standard slopes, qkv::alibi_slopes) beside each forward and backward row, "
+                "and its time over the plain row's");
+  cmd->add_option("--keep-first", o->keep_first,
+                  "also a row with window_keep_first N (StreamingLLM's first keys; with --window, else the first keys "
+                  "are in every causal row's range already) beside each forward and backward row, and its time over "
+                  "the plain row's")
+      ->check(CLI::PositiveNumber);
   cmd->add_flag("--no-baseline", o->no_baseline, "skip the naive baseline");
   cmd->add_flag("--reference", o->reference, "benchmark the float64 reference kernel (forward and backward) instead of the dispatched one");
   cmd->add_option("--peak-seconds", o->peak_seconds, "seconds per peak microbenchmark (default 0.25)")
@@ -280,7 +303,8 @@ void add_bench(CLI::App& app) {
   // The report runs a fixed set of rows: options that choose rows or other outputs do not apply.
   for (const char* name : {"--serving", "--kv-quant", "--kv-accuracy", "--shapes", "--backward", "--dtype", "--causal",
                            "--head-dims", "--seqlens", "--decode-seqlens", "--scaling", "--scaling-seqlen", "--memory",
-                           "--memory-seqlen", "--no-baseline", "--reference", "--json", "--markdown"})
+                           "--memory-seqlen", "--no-baseline", "--reference", "--json", "--markdown", "--window",
+                           "--sinks", "--alibi", "--keep-first"})
     report->excludes(cmd->get_option(name));
   cmd->callback([o] { benchcmd::run_bench(*o); });
 }

@@ -100,13 +100,57 @@ AttentionParams Runner::params(bool causal, int threads) const {
   AttentionParams p;
   p.causal = causal;
   p.num_threads = threads;
+  p.window_left = o_.window;
   if (o_.reference) p.kernel = KernelKind::reference;
   return p;
 }
 
+std::vector<std::string> BenchOptions::row_options() const {
+  std::vector<std::string> r;
+  if (sinks) r.push_back("sinks");
+  if (alibi) r.push_back("alibi");
+  if (keep_first > 0) r.push_back("keep-first");
+  return r;
+}
+
+AttentionParams Runner::params(bool causal, int threads, const std::string& option, std::int64_t Hq) {
+  AttentionParams p = params(causal, threads);
+  if (option == "sinks") {
+    sinks_.assign(static_cast<std::size_t>(Hq), 1.0f);  // e^1 of weight in every denominator
+    p.sinks = TensorView(sinks_.data(), DType::f32, {Hq});
+  } else if (option == "alibi") {
+    slopes_ = alibi_slopes(Hq);
+    p.alibi_slopes = TensorView(slopes_.data(), DType::f32, {Hq});
+  } else if (option == "keep-first") {
+    p.window_keep_first = o_.keep_first;
+  }
+  return p;
+}
+
+Row Runner::measure_option(const Row& plain, const std::string& option) {
+  Row r = plain;
+  r.option = option;
+  r.plain_seconds = plain.seconds;
+  r.baseline_seconds.reset();
+  r.max_abs_diff.reset();
+  r.adjacent_peak.reset();
+  const BenchShape& s = r.shape;
+  const AttentionParams p = params(r.causal, r.threads, option, s.Hq);
+  if (r.backward()) {
+    const bench::BackwardInputs in = bench::make_backward_inputs(s, r.dtype, r.dtype, p);  // out, lse with the option
+    r.kernel = bench::dispatched_backward_kernel(in, p);
+    time_row(r, [&] { bench::run_backward(in, p); }, bench::backward_flops(s, r.causal), true);
+  } else {
+    const bench::Inputs in = bench::make_inputs(s, r.dtype);
+    r.kernel = bench::dispatched_kernel(in, p);
+    time_row(r, [&] { attention(in.q, in.k, in.v, in.out, p); }, bench::forward_flops(s, r.causal), true);
+  }
+  return r;
+}
+
 std::optional<Runner::BaselineResult> Runner::baseline(const BenchShape& s, bool causal, int threads,
                                                        const bench::Inputs& f32) {
-  if (o_.no_baseline) return std::nullopt;
+  if (o_.no_baseline || o_.window >= 0) return std::nullopt;  // the baselines have no window
   const Key key{s.B, s.Hq, s.Hkv, s.Sq, s.Sk, s.D, causal, threads};
   if (auto it = cache_.find(key); it != cache_.end()) return it->second;
   if (!baseline_fits(s, threads, 1, "baseline")) return std::nullopt;
@@ -120,7 +164,7 @@ std::optional<Runner::BaselineResult> Runner::baseline(const BenchShape& s, bool
 
 std::optional<Runner::BaselineResult> Runner::backward_baseline(const BenchShape& s, bool causal, int threads,
                                                                 const bench::BackwardInputs& f32) {
-  if (o_.no_baseline) return std::nullopt;
+  if (o_.no_baseline || o_.window >= 0) return std::nullopt;  // the baselines have no window
   const Key key{s.B, s.Hq, s.Hkv, s.Sq, s.Sk, s.D, causal, threads};
   if (auto it = backward_cache_.find(key); it != backward_cache_.end()) return it->second;
   if (!baseline_fits(s, threads, 2, "backward baseline")) return std::nullopt;

@@ -38,6 +38,11 @@ json row_json(const Row& r) {
             {"peak_fraction", r.peak_fraction},
             {"peak", r.peak_name},
             {"peak_value", r.peak_value}};
+  if (r.plain_seconds) {
+    j["option"] = r.option;
+    j["plain_seconds"] = *r.plain_seconds;
+    j["ratio_vs_plain"] = r.seconds / *r.plain_seconds;
+  }
   if (r.seconds_1thread) {
     j["seconds_1thread"] = *r.seconds_1thread;
     j["speedup_vs_1thread"] = *r.seconds_1thread / r.seconds;
@@ -87,6 +92,9 @@ void print_row(FILE* out, const Row& r, int kind_width) {
                r.kind.c_str(), bench::shape_label(r.shape).c_str(), r.causal ? "yes" : "no",
                dtype_short(r.dtype).c_str(), r.kernel.c_str(), r.threads, r.seconds, rate, base, ratio,
                100.0 * r.peak_fraction, of, diff);
+  if (r.plain_seconds)
+    std::fprintf(out, "%-*s   with %s: %.4g s against the plain row's %.4g s: ratio %.3f\n", kind_width, "",
+                 r.option.c_str(), r.seconds, *r.plain_seconds, r.seconds / *r.plain_seconds);
   if (r.seconds_1thread)
     std::fprintf(out, "%-*s   1 thread %.4g s, %d threads %.4g s: speedup %.2fx\n", kind_width, "",
                  *r.seconds_1thread, r.threads, r.seconds, *r.seconds_1thread / r.seconds);
@@ -139,6 +147,10 @@ std::string markdown(const std::vector<Row>& rows, const std::map<int, bench::Pe
       std::snprintf(ratio, sizeof ratio, "%.2f", *r.baseline_seconds / r.seconds);
     }
     std::string kind = r.kind;
+    if (r.plain_seconds) {
+      std::snprintf(buf, sizeof buf, " + %s (%.3fx the plain row)", r.option.c_str(), r.seconds / *r.plain_seconds);
+      kind += buf;
+    }
     if (r.seconds_1thread) {
       std::snprintf(buf, sizeof buf, " (1 thread %.4g s: %.2fx)", *r.seconds_1thread, *r.seconds_1thread / r.seconds);
       kind += buf;

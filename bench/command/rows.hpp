@@ -30,6 +30,10 @@ struct BenchOptions {
   std::vector<std::int64_t> head_dims, seqlens, decode_seqlens;
   int repeats = 0, threads = 0;
   std::int64_t scaling_seqlen = 4096, memory_seqlen = 32768;
+  // Score options: --window for every forward and backward row; --sinks, --alibi, --keep-first
+  // each add a row beside the plain one of the same shape (its cost: option/plain, medians).
+  bool sinks = false, alibi = false;
+  std::int64_t window = -1, keep_first = 0;
   double budget = 30.0, min_time = -1, adjacent_seconds = 0.1, peak_seconds = 0.25, read_mib = 512;
 
   // Which row groups run: forward (and the forward's scaling and memory rows) unless --shapes
@@ -39,6 +43,8 @@ struct BenchOptions {
   bool decode_rows() const { return shapes == "all" || shapes == "decode"; }
   bool forward_extra_rows() const { return shapes != "backward"; }
   bool backward_rows() const { return backward || shapes == "backward"; }
+  // The option rows of each forward and backward shape: "sinks", "alibi", "keep-first".
+  std::vector<std::string> row_options() const;
 };
 
 // One measured line of the report.
@@ -49,6 +55,10 @@ struct Row {
   bool causal = false;
   DType dtype = DType::f32;
   std::string kernel;
+  // A score option the row adds to the plain row of its shape ("sinks", "alibi", "keep-first";
+  // empty: the plain row), and that row's seconds.
+  std::string option;
+  std::optional<double> plain_seconds;
   int threads = 1;
   int repeats = 0;
   double seconds = 0, gflops = 0, gbps = 0;
@@ -118,11 +128,15 @@ public:
   // f32_inputs; maxdiff compares dQ.
   Row measure_backward(const std::string& kind, const BenchShape& s, bool causal, DType dtype, int threads,
                        const bench::BackwardInputs* f32_inputs, bool with_baseline = true, bool with_adjacent = true);
+  // The same row with a score option added (row_options), on its own inputs of the same values,
+  // without the baseline (which has no options); `plain`: the row it is compared with.
+  Row measure_option(const Row& plain, const std::string& option);
   // A memory row (kind "memory" or "backward-memory") from a child's measurement.
   Row memory_row(const std::string& kind, const BenchShape& s, DType dtype, int threads, const bench::MemoryUse& m);
 
-  // Parameters of a timed call.
+  // Parameters of a timed call (with --window), and with a score option added for Hq heads.
   AttentionParams params(bool causal, int threads) const;
+  AttentionParams params(bool causal, int threads, const std::string& option, std::int64_t Hq);
   PeakTable& peaks() { return peaks_; }
   // Drops the cached baseline outputs (call when moving to the next shape).
   void clear_baselines() {
@@ -148,6 +162,7 @@ private:
   const BenchOptions& o_;
   PeakTable peaks_;
   std::map<Key, BaselineResult> cache_, backward_cache_;
+  std::vector<float> sinks_, slopes_;  // the option rows' sinks and ALiBi slopes (params)
 };
 
 std::string dtype_short(DType d);
