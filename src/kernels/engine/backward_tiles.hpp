@@ -430,6 +430,11 @@ struct BackwardTiles {
     const Problem& p = bp.fwd;
     const i64 D = p.D, Dv = p.Dv, Dp = dp(p), Dvp = dvp(p);
     const int n = qb.n, nqv = qb.nqv, sp = nqv * W;
+    if constexpr (Rule::kHasPosition) {
+      // A tile the rows reach only through keep-first: its first keys [t0, first_max) alone (the
+      // others have P = 0 and dS = 0 for every row, which the partial tile's products skip).
+      if (!(qb.lo_min < t0 + kt && qb.hi_max > t0)) kt = static_cast<int>(std::min<i64>(kt, qb.first_max - t0));
+    }
     const bool full = full_tile<Rule>(qb, t0, t0 + kt);
     Prefetch none;
     Mk::qk_tile(w.qt, nqv, w.kbuf[x], Dp, D, kt, w.s, SP, none);
