@@ -7,9 +7,11 @@
 // kernel that takes them.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "attention_diff.hpp"
 #include "backward_diff.hpp"
@@ -139,6 +141,126 @@ TEST(ScoreOptionsBackward, KeepFirstFarFromTheWindow) {
   run_backward_case(c);
   c.kv_lens = true;  // rows past their key length: empty windows, first keys only or nothing
   run_backward_case(c);
+}
+
+// The position terms' vector form (score_rule.hpp: ALiBi's bias per lane, keep-first's select)
+// on the shapes that reach each of its paths: full and partial tiles (Sk past the 64-key tile),
+// the few-rows dot-product form (Sq <= 4), odd D, GQA, causal in both alignments, a window with
+// keep-first, softcap with ALiBi (the scalar form), every ISA level, 1 and 2 threads.
+TEST(ScoreOptionsKernels, PositionTermsVectorForm) {
+  for (const Alignment align : {Alignment::bottom_right, Alignment::top_left}) {
+    Config c;
+    c.B = 2;
+    c.Hq = 4;
+    c.Hkv = 2;
+    c.Sq = 200;
+    c.Sk = 230;
+    c.D = c.Dv = 33;
+    c.causal = true;
+    c.align = align;
+    c.alibi = 1;
+    run_case(c, KernelKind::flash);
+    c.Sq = 3;  // the few-rows form
+    c.alibi = 2;
+    run_case(c, KernelKind::flash);
+    c.Sq = 150;
+    c.wl = 70;  // window + keep-first: the first keys tiles away, and overlapping for early rows
+    c.keep_first = 6;
+    run_case(c, KernelKind::flash);
+    c.keep_first = 0;
+    c.wl = -1;
+    c.softcap = 5.0;
+    run_case(c, KernelKind::flash);
+    if (HasFailure()) return;
+
+    BwConfig b;
+    b.B = 2;
+    b.Hq = 4;
+    b.Hkv = 2;
+    b.Sq = 150;
+    b.Sk = 170;
+    b.D = b.Dv = 33;
+    b.causal = true;
+    b.align = align;
+    b.alibi = 1;
+    run_backward_case(b);
+    b.wl = 70;
+    b.keep_first = 6;
+    b.alibi = 0;
+    run_backward_case(b);
+    b.keep_first = 0;
+    b.wl = -1;
+    b.alibi = 2;
+    b.softcap = 5.0;
+    run_backward_case(b);
+    if (HasFailure()) return;
+  }
+}
+
+// Bitwise identities of the position terms' vector form, every ISA level, 1 and 2 threads:
+//  - ALiBi with zero slopes, and keep-first within every row's range, are the plain call's bits,
+//    forward and backward (the vector form adds exactly 0 and selects the same keys; full tiles
+//    stay full);
+//  - ALiBi's forward is bit for bit that of an additive float mask holding the same bias
+//    -(slope |diag - j|) (the scalar form's rounding: a product, then a difference).
+TEST(ScoreOptionsKernels, PositionTermsBitwise) {
+  const i64 B = 1, Hq = 4, Hkv = 2, Sq = 150, Sk = 170, D = 33;
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto rnd = [&](Shape s) {
+    Tensor t(DType::f32, s);
+    for (i64 x = 0; x < t.numel(); ++x) t.data_as<float>()[x] = nd(rng);
+    return t;
+  };
+  const Tensor q = rnd({B, Hq, Sq, D}), k = rnd({B, Hkv, Sk, D}), v = rnd({B, Hkv, Sk, D}), dout = rnd({B, Hq, Sq, D});
+  struct Result {
+    Tensor out, lse, dq, dk, dv;
+  };
+  auto run = [&](const AttentionParams& p, bool backward) {
+    Result r{Tensor(DType::f32, q.shape()), Tensor(DType::f32, {B, Hq, Sq}), Tensor(DType::f32, q.shape()),
+             Tensor(DType::f32, k.shape()), Tensor(DType::f32, v.shape())};
+    attention(q, k, v, r.out, p, r.lse.view());
+    if (backward) attention_backward(q, k, v, r.out, r.lse, dout, r.dq, r.dk, r.dv, p);
+    return r;
+  };
+  auto same = [](const Tensor& a, const Tensor& b) { return std::memcmp(a.data(), b.data(), a.nbytes()) == 0; };
+  std::vector<float> zeros(Hq, 0.0f), slopes = alibi_slopes(Hq);
+  for (const Alignment align : {Alignment::bottom_right, Alignment::top_left})
+    for (detail::Isa isa : test_isas(DType::f32)) {
+      IsaCap cap(isa);
+      SCOPED_TRACE(std::string(detail::isa_name(isa)) + (align == Alignment::top_left ? " top_left" : " bottom_right"));
+      for (int threads : {1, 2}) {
+        AttentionParams p;
+        p.causal = true;
+        p.align = align;
+        p.kernel = KernelKind::flash;
+        p.num_threads = threads;
+        const Result plain = run(p, true);
+        AttentionParams z = p;
+        z.alibi_slopes = TensorView(zeros.data(), DType::f32, {Hq});
+        z.window_keep_first = 5;  // no window: keys 0..4 are in every causal row's range already
+        const Result zr = run(z, true);
+        EXPECT_TRUE(same(plain.out, zr.out) && same(plain.lse, zr.lse)) << "forward, " << threads << " threads";
+        EXPECT_TRUE(same(plain.dq, zr.dq) && same(plain.dk, zr.dk) && same(plain.dv, zr.dv))
+            << "backward, " << threads << " threads";
+
+        AttentionParams a = p;
+        a.alibi_slopes = TensorView(slopes.data(), DType::f32, {Hq});
+        const Result ar = run(a, false);
+        Tensor bias(DType::f32, {1, Hq, Sq, Sk});
+        const i64 offset = align == Alignment::bottom_right ? Sk - Sq : 0;
+        for (i64 h = 0; h < Hq; ++h)
+          for (i64 i = 0; i < Sq; ++i)
+            for (i64 j = 0; j < Sk; ++j)
+              bias.data_as<float>()[(h * Sq + i) * Sk + j] =
+                  -(slopes[h] * static_cast<float>(std::abs(i + offset - j)));
+        AttentionParams m = p;
+        m.mask = bias.view();
+        const Result mr = run(m, false);
+        EXPECT_TRUE(same(ar.out, mr.out) && same(ar.lse, mr.lse)) << "ALiBi against its mask, " << threads << " threads";
+      }
+      if (HasFailure()) return;
+    }
 }
 
 // Each batch element computed alone gives the bits it has in the batch (per-batch slopes

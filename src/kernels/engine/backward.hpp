@@ -108,11 +108,14 @@ struct Backward {
       for (i64 i = 0; i < p.Sq; ++i) {
         i64 lo, hi, first;
         ScoreRule<>::key_ranges(p, b, i, lo, hi, first);
-        if (first > 0) {  // keep-first: keys [0, first) too
+        if (first > 0) {  // keep-first: keys [0, first) too, weighed where [lo, hi) lacks them
           ulo = 0;
           uhi = std::max(uhi, first);
-          weight[0] += 1;
-          weight[(first - 1) / BK + 1] -= 1;
+          const i64 extra = lo < hi ? std::min(first, lo) : first;
+          if (extra > 0) {
+            weight[0] += 1;
+            weight[(extra - 1) / BK + 1] -= 1;
+          }
         }
         if (lo >= hi) continue;
         ulo = std::min(ulo, lo);
