@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Smoke test of `qkv bench`: a tiny grid with --json, forward, decode and backward rows, and
-`--report --quick`; checks the outputs' structure only (timings are not asserted: they depend on
+"""Smoke test of `qkv bench`: a tiny grid with --json, forward, decode and backward rows, option
+rows (--sinks, --alibi, --keep-first), and `--report --quick`; checks the outputs' structure only (timings are not asserted: they depend on
 the machine and its load)."""
 import importlib.util
 import json
@@ -189,6 +189,27 @@ def main() -> int:
             check(all("adjacent_peak_value" not in x for x in rows), "--adjacent-seconds 0 measured adjacent peaks")
         except (json.JSONDecodeError, KeyError) as e:
             failures.append(f"--shapes backward --json -: {e}")
+
+        # Option rows: each forward and backward row, then one row per option beside it, with its
+        # time over the plain row's; --window on all of them (and no baseline, which has none).
+        r = subprocess.run([qkv, "bench", "--shapes", "forward", "--backward", "--seqlens", "70", "--head-dims", "16",
+                            "--dtype", "f32", "--causal", "on", "--repeats", "1", "--min-time", "0",
+                            "--adjacent-seconds", "0", "--peak-seconds", "0.03", "--read-mib", "32", "--window", "20",
+                            "--sinks", "--alibi", "--keep-first", "3", "--json", "-"],
+                           env=env, capture_output=True, text=True, timeout=60)
+        check(r.returncode == 0, f"option rows exit status {r.returncode}: {r.stderr}")
+        try:
+            rows = json.loads(r.stdout)["rows"]
+            want = [(k, o) for k in ("forward", "backward") for o in (None, "sinks", "alibi", "keep-first")]
+            check([(x["kind"], x.get("option")) for x in rows] == want, f"option rows: {rows}")
+            for x in rows:
+                check(x["baseline_seconds"] is None, f"--window row with a baseline {x}")
+                if x.get("option"):
+                    check(x["plain_seconds"] > 0 and abs(x["ratio_vs_plain"] * x["plain_seconds"] - x["seconds"])
+                          <= 1e-9 * x["seconds"] and "flash" in x["kernel"], f"option row {x}")
+            check("with alibi:" in r.stderr and "ratio" in r.stderr, "option rows: no ratio in the table")
+        except (json.JSONDecodeError, KeyError) as e:
+            failures.append(f"option rows --json -: {e}")
 
         # An unwritable JSON path fails at once, before measuring, and writes nothing.
         bad = os.path.join(tmp, "missing", "x.json")
