@@ -352,9 +352,11 @@ struct BackwardTiles {
     if constexpr (Rule::kVectorForm && Rule::kHasPosition) {
       if (t0 + kt < (i64{1} << 24) && Rule::position_exact(p)) {  // keys and distances exact as floats
         const bool first = t0 < p.keep_first;  // keep-first's keys within reach
+        const bool alibi = !p.alibi.empty();
         for (int c = 0; c < nqv; ++c) {
           const V l = Ops::load(w.lse + c * W), lo = Ops::load(w.lo_f + c * W), hi = Ops::load(w.hi_f + c * W);
-          const PositionV<Ops> ps = PositionV<Ops>::load(w.pos_f + c * W, w.pos_f + BQ + c * W, w.pos_f + 2 * BQ + c * W);
+          const PositionV<Ops> ps =
+              PositionV<Ops>::load(w.pos_f + c * W, w.pos_f + BQ + c * W, w.pos_f + 2 * BQ + c * W, alibi);
           for (int j = 0; j < kt; ++j) {
             float* e = w.s + j * SP + c * W;
             const V g = Ops::set1(static_cast<float>(t0 + j));

@@ -263,7 +263,7 @@ struct BlockProcessor {
       vec = pass && vec_position(p, blk);
       if (vec) {
         mul = 1.0f;
-        position_scores(rule, w, nqv, ssp, t0, kt, full, t0 < p.keep_first);
+        position_scores(rule, w, nqv, ssp, t0, kt, full, t0 < p.keep_first, !p.alibi.empty());
       }
     }
     if (!vec && pass) {
@@ -320,12 +320,13 @@ struct BlockProcessor {
 
   // The scores of a tile by a rule with position terms, in place, W rows at a time (the rule's
   // vector form): full, scaled and biased; else keys outside each row's range (and keep-first's
-  // keys, `first`: the tile starts below keep_first) set to -inf.
+  // keys, `first`: the tile starts below keep_first) set to -inf. `alibi`: whether to bias.
   template <class Rule>
   static void position_scores(const Rule& rule, const Ws& w, int nqv, int ssp, i64 t0, int kt, bool full,
-                              bool first) {
+                              bool first, bool alibi) {
     for (int c = 0; c < nqv; ++c) {
-      const PositionV<Ops> ps = PositionV<Ops>::load(w.pos_f + c * W, w.pos_f + BQ + c * W, w.pos_f + 2 * BQ + c * W);
+      const PositionV<Ops> ps =
+          PositionV<Ops>::load(w.pos_f + c * W, w.pos_f + BQ + c * W, w.pos_f + 2 * BQ + c * W, alibi);
       float* sc = w.s + c * W;
       if (full) {
         for (int j = 0; j < kt; ++j)

@@ -37,9 +37,11 @@ namespace qkv::detail::QKV_ENGINE_NS {
 template <IsaOps Ops>
 struct PositionV {
   typename Ops::V first_hi, diag, slope;
+  bool alibi;  // whether the call has ALiBi slopes (else the bias, exactly 0, is not computed)
   /// Lanes from the arrays of first_hi, diag and slope floats (W each).
-  [[gnu::always_inline]] static PositionV load(const float* first_hi, const float* diag, const float* slope) {
-    return {Ops::load(first_hi), Ops::load(diag), Ops::load(slope)};
+  [[gnu::always_inline]] static PositionV load(const float* first_hi, const float* diag, const float* slope,
+                                               bool alibi) {
+    return {Ops::load(first_hi), Ops::load(diag), Ops::load(slope), alibi};
   }
 };
 
@@ -193,6 +195,7 @@ struct ScoreRule {
   [[gnu::always_inline]] typename Ops::V biased_v(typename Ops::V y, typename Ops::V g,
                                                   const PositionV<Ops>& ps) const {
     if constexpr (kPosition) {
+      if (!ps.alibi) return y;  // y - 0 |diag - g| is y, bit for bit
       const typename Ops::V dist = Ops::max(Ops::sub(ps.diag, g), Ops::sub(g, ps.diag));  // exact
       return Ops::sub(y, Ops::mul(ps.slope, dist));
     }
