@@ -23,6 +23,14 @@ namespace {
 
 using i64 = std::int64_t;
 
+// A float32 tensor of N(0, 1) entries.
+Tensor normal_f32(std::mt19937_64& rng, const Shape& s) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  Tensor t(DType::f32, s);
+  for (i64 x = 0; x < t.numel(); ++x) t.data_as<float>()[x] = nd(rng);
+  return t;
+}
+
 // The options drawn on top of a configuration: at least one of sinks, ALiBi and keep-first;
 // keep-first with a window (without one every key is admitted already).
 template <class C>
@@ -206,12 +214,7 @@ TEST(ScoreOptionsKernels, PositionTermsVectorForm) {
 TEST(ScoreOptionsKernels, PositionTermsBitwise) {
   const i64 B = 1, Hq = 4, Hkv = 2, Sq = 150, Sk = 170, D = 33;
   std::mt19937_64 rng(99);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto rnd = [&](Shape s) {
-    Tensor t(DType::f32, s);
-    for (i64 x = 0; x < t.numel(); ++x) t.data_as<float>()[x] = nd(rng);
-    return t;
-  };
+  auto rnd = [&](Shape s) { return normal_f32(rng, s); };
   const Tensor q = rnd({B, Hq, Sq, D}), k = rnd({B, Hkv, Sk, D}), v = rnd({B, Hkv, Sk, D}), dout = rnd({B, Hq, Sq, D});
   struct Result {
     Tensor out, lse, dq, dk, dv;
@@ -271,12 +274,7 @@ TEST(ScoreOptionsKernels, PositionTermsBitwise) {
 TEST(ScoreOptionsKernels, BatchCompositionInvariance) {
   const i64 B = 3, Hq = 4, Hkv = 2, Sq = 37, Sk = 90, D = 24;
   std::mt19937_64 rng(5);
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  auto rnd = [&](Shape s) {
-    Tensor t(DType::f32, s);
-    for (i64 x = 0; x < t.numel(); ++x) t.data_as<float>()[x] = nd(rng);
-    return t;
-  };
+  auto rnd = [&](Shape s) { return normal_f32(rng, s); };
   Tensor q = rnd({B, Hq, Sq, D}), k = rnd({B, Hkv, Sk, D}), v = rnd({B, Hkv, Sk, D}), dout = rnd({B, Hq, Sq, D});
   Tensor sinks = rnd({Hq}), slopes(DType::f32, {B, Hq});
   for (i64 x = 0; x < slopes.numel(); ++x) slopes.data_as<float>()[x] = 0.05f * static_cast<float>(x + 1);
