@@ -1,5 +1,6 @@
 #pragma once
-// The decode fast path: a few query rows, no explicit mask, no softcap. One chunk of keys of
+// The decode fast path: a few query rows, no explicit mask, no softcap (ALiBi and keep-first
+// taken, through the score rule: ScoreRule<false, false, kPosition>). One chunk of keys of
 // flash-decoding (Dao, Haziza, Massa, Sizov 2023) for the rows of one (batch, KV head) group (G
 // query heads x Sq, at most kFastRows), with the rows as plain arrays instead of the padded
 // kBq-row block of BlockProcessor::process; the same FlashAttention-2 inner loop (Dao 2023,
@@ -11,11 +12,15 @@
 //           the same bits (Ops::hsum_w; on AVX-512 45 operations for 16 scores instead of 16
 //           horizontal sums of 8 each). Fewer rows, and keys past the last full group, take one
 //           key at a time with one horizontal sum per score (Ops::hsum);
-//   softmax: per row, over the tile's scores as vectors (vector exp);
+//   softmax: per row, over the tile's scores as vectors (vector exp); with position terms each
+//           score first goes through the rule's scalar form (scale, ALiBi's bias, the key range
+//           with keep-first);
 //   PV: output rows in registers, broadcast(p_j) * v_j FMAs.
 // bf16/fp16 K and V are converted in registers (Ops::load_bf16 / f16), never through a buffer.
 // Keys admitted by only some rows of the group get -inf scores by select (NaN from an
-// excluded K row is discarded) and weight-0 FMAs are skipped (masked) in PV.
+// excluded K row is discarded) and weight-0 FMAs are skipped (masked) in PV. With keep-first the
+// tiles of the block's first keys [0, first_kb) come before those of [ka, kb) (Block::first_kb),
+// the gap between never read.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -38,7 +43,7 @@ struct DecodeFast {
   using Mk = Microkernels<Ops>;
   using Wsp = Workspace<Ops>;
   using Sm = OnlineSoftmax<Ops>;
-  using Rule = ScoreRule<>;  // no mask, no softcap (decode_fast_ok)
+  using Bp = BlockProcessor<Ops>;
   static constexpr int W = Ops::W;
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
@@ -52,9 +57,26 @@ struct DecodeFast {
   // them, with room for the loads and the score).
   static constexpr int kStreamRegs = Ops::kAccRegs / 3 < 8 ? Ops::kAccRegs / 3 : 8;
 
+  // Whether the fast path takes the call (its rule: no mask, no softcap; position terms or not).
   static bool decode_fast_ok(const Problem& p) {
     return p.mask.data == nullptr && p.softcap <= 0.0 && p.group() * p.Sq <= kFastRows &&
            p.D % W == 0 && p.Dv % W == 0 && p.q.dtype != DType::f64;
+  }
+
+  // The tiles of a block, BK keys each from Bp::first_tile: [ka, kb), and with a rule with
+  // position terms keep-first's [0, first_kb) before them. The end of the tile at t0, and the
+  // start of the one after the tile ending at t1 (t1 itself but at the end of the first keys).
+  template <class Rule>
+  [[gnu::always_inline]] static i64 tile_end(const Block& blk, i64 t0) {
+    if constexpr (Rule::kHasPosition)
+      if (t0 < blk.first_kb) return std::min<i64>(t0 + BK, blk.first_kb);
+    return std::min<i64>(t0 + BK, blk.kb);
+  }
+  template <class Rule>
+  [[gnu::always_inline]] static i64 after(const Block& blk, i64 t1) {
+    if constexpr (Rule::kHasPosition)
+      if (t1 == blk.first_kb) return blk.ka;
+    return t1;
   }
 
   // s[r * BK] = q_r . k for the key row at koff, rows r < MR.
@@ -198,19 +220,29 @@ struct DecodeFast {
   // Online softmax of one tile's scores s[r * BK + j] (keys t0 + j, j < kt) for n rows: scales,
   // excludes keys outside each row's [lo, hi), and leaves the weights in s and the accumulator
   // rescale factor in w.alpha. Returns whether any key of the tile was excluded for some row.
+  // A rule with position terms forms each score by its scalar form from the row's Position
+  // (w.rows[r].pos): ALiBi's bias, keep-first's keys admitted.
+  template <class Rule>
   static bool fast_softmax(const Ws& w, int n, float* s, i64 t0, int kt, const Rule& rule) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const i64 t1 = t0 + kt;
+    [[maybe_unused]] const i64 t1 = t0 + kt;
     const int ktp = static_cast<int>(round_up(kt, W));
     bool partial = false;
     for (int r = 0; r < n; ++r) {
       float* sr = s + r * BK;
       const Row& row = w.rows[r];
-      for (int j = 0; j < ktp; j += W) Ops::store(sr + j, rule.template scale_v<Ops>(Ops::load(sr + j)));
-      if (t0 < row.lo || t1 > row.hi) {
-        partial = true;
-        for (int j = 0; j < kt; ++j)
-          if (!Rule::in_range(t0 + j, row.lo, row.hi)) sr[j] = neg_inf;
+      if constexpr (Rule::kHasPosition) {
+        for (int j = 0; j < kt; ++j) {
+          sr[j] = rule.score(sr[j], t0 + j, row.lo, row.hi, 0, row.pos);
+          partial = partial || sr[j] == neg_inf;
+        }
+      } else {
+        for (int j = 0; j < ktp; j += W) Ops::store(sr + j, rule.template scale_v<Ops>(Ops::load(sr + j)));
+        if (t0 < row.lo || t1 > row.hi) {
+          partial = true;
+          for (int j = 0; j < kt; ++j)
+            if (!Rule::in_range(t0 + j, row.lo, row.hi)) sr[j] = neg_inf;
+        }
       }
       for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
       V mx = Ops::set1(neg_inf);
@@ -232,7 +264,7 @@ struct DecodeFast {
 
   // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb), tile by tile: QK^T of
   // a tile, its softmax, then its PV product.
-  template <Elt E>
+  template <Elt E, class Rule>
   static void process_fast_tiles(const Problem& p, const Block& blk, const Ws& w) {
     const int n = blk.n;
     const i64 D = p.D, Dvp = Wsp::dvp(p);
@@ -246,12 +278,12 @@ struct DecodeFast {
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
     float* s = w.s;  // [n][BK] scores, then weights
     constexpr int esize = E == Elt::f32 ? 4 : 2;
-    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) {
-      const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
+    for (i64 t0 = Bp::template first_tile<Rule>(blk); t0 < blk.kb; t0 = Bp::template next_tile<Rule>(blk, t0)) {
+      const i64 t1 = tile_end<Rule>(blk, t0), tn = after<Rule>(blk, t1);
       const int kt = static_cast<int>(t1 - t0);
       // As in BlockProcessor::step: this tile's V rows during QK^T, the next tile's K rows during PV.
       Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, p.Dv, esize);
-      Prefetch pf_k(p.k.data, k_base + t1 * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - t1)), D, esize);
+      Prefetch pf_k(p.k.data, k_base + tn * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - tn)), D, esize);
       fast_qk<E>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s, pf_v);
       const bool partial = fast_softmax(w, n, s, t0, kt, rule);
       if (partial)
@@ -270,7 +302,7 @@ struct DecodeFast {
   // (docs/performance-history.md). Same arithmetic in the same order as process_fast_tiles, so the same
   // result bit for bit: each score is formed alone and each FMA chain runs in key order (the
   // accumulator is rescaled once per tile, then multiplied by 1 between steps).
-  template <Elt E>
+  template <Elt E, class Rule>
   static void process_fast_stream(const Problem& p, const Block& blk, const Ws& w) {
     const i64 D = p.D, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
@@ -286,12 +318,12 @@ struct DecodeFast {
     float* s_cur = w.s;  // [BK] scores of the current tile, then its weights
     float* s_nxt = w.s + BK;
     Prefetch none;
-    i64 t0 = blk.ka;
-    int kt = static_cast<int>(std::min<i64>(BK, blk.kb - t0));
+    i64 t0 = Bp::template first_tile<Rule>(blk);
+    int kt = static_cast<int>(tile_end<Rule>(blk, t0) - t0);
     for (int j = 0; j < kt; ++j) fast_qk_mk<E, 1>(w.qr, D, p.k.data, k_base + (t0 + j) * ks, s_cur + j);
     while (kt > 0) {
-      const i64 t1 = t0 + kt;
-      const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
+      const i64 t1 = after<Rule>(blk, t0 + kt);  // the next tile
+      const int ktn = static_cast<int>(tile_end<Rule>(blk, t1) - t1);
       const bool partial = fast_softmax(w, 1, s_cur, t0, kt, rule);
       const int steps = std::max(kt, ktn);
       for (int j = 0; j < steps; j += kFastStep) {
@@ -345,7 +377,7 @@ struct DecodeFast {
     }
   }
 
-  template <Elt E, int N>
+  template <Elt E, class Rule, int N>
   static void process_fast_stream_regs(const Problem& p, const Block& blk, const Ws& w) {
     const Rule rule(p);
     Sm::begin(w.m, w.l, 1);
@@ -359,12 +391,12 @@ struct DecodeFast {
       const i64 ks = p.k.ss, vs = p.v.ss;
       float* s_cur = w.s;
       float* s_nxt = w.s + BK;
-      i64 t0 = blk.ka;
-      int kt = static_cast<int>(std::min<i64>(BK, blk.kb - t0));
+      i64 t0 = Bp::template first_tile<Rule>(blk);
+      int kt = static_cast<int>(tile_end<Rule>(blk, t0) - t0);
       stream_keys<E, N, false>(q, acc, s_cur, 0, p.v.data, 0, vs, s_cur, kt, p.k.data, k_base + t0 * ks, ks);
       while (kt > 0) {
-        const i64 t1 = t0 + kt;
-        const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
+        const i64 t1 = after<Rule>(blk, t0 + kt);  // the next tile
+        const int ktn = static_cast<int>(tile_end<Rule>(blk, t1) - t1);
         const bool partial = fast_softmax(w, 1, s_cur, t0, kt, rule);
         const V a = Ops::set1(w.alpha[0]);
         for (int c = 0; c < N; ++c) acc[c] = Ops::mul(acc[c], a);
@@ -382,17 +414,18 @@ struct DecodeFast {
 
   // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb): leaves the
   // unnormalised O, m and l in `w`, as BlockProcessor::process does.
-  template <Elt E>
+  template <Elt E, class Rule>
   static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
+    static_assert(!Rule::kHasMask && !Rule::kHasSoftcap, "decode_fast_ok");
     if (blk.n == 1) {
       // q and the output row in registers when they fit: D = Dv = N vectors, N <= kStreamRegs.
       const auto in_regs = [&]<int N>() __attribute__((always_inline)) {
-        process_fast_stream_regs<E, N>(p, blk, w);
+        process_fast_stream_regs<E, Rule, N>(p, blk, w);
       };
       if (p.D == p.Dv && with_int<1, kStreamRegs>(p.D / W, in_regs)) return;
-      return process_fast_stream<E>(p, blk, w);
+      return process_fast_stream<E, Rule>(p, blk, w);
     }
-    process_fast_tiles<E>(p, blk, w);
+    process_fast_tiles<E, Rule>(p, blk, w);
   }
 };
 
