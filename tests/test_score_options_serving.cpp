@@ -81,18 +81,7 @@ void reference_seqs(const Packed& pk, const Tensor& k, const Tensor& v, const At
 }
 
 // max |got - ref| / (1 + |ref|) (an lse of -50 is an fp32 number of ulp 4e-6), non-finite alike.
-double rel_err(const Tensor& got, const Tensor& ref, const std::string& what) {
-  double e = 0;
-  for (i64 i = 0; i < ref.numel(); ++i) {
-    const double g = get_d(got, i), r = get_d(ref, i);
-    if (!std::isfinite(r) || !std::isfinite(g)) {
-      EXPECT_TRUE((std::isnan(r) && std::isnan(g)) || g == r) << what << " element " << i << ": got " << g << ", want " << r;
-      continue;
-    }
-    e = std::max(e, std::abs(g - r) / (1.0 + std::abs(r)));
-  }
-  return e;
-}
+double rel_err(const Tensor& got, const Tensor& ref, const std::string& what) { return max_err(got, ref, what, true); }
 
 // The packed keys and values in pools of bs-key blocks, in shuffled order: k and v pools
 // [num_blocks, Hkv, bs, X], the block table [batch, max_blocks], seq_lens [batch].

@@ -24,7 +24,7 @@ std::string accept(const Call&) { return {}; }
 
 // ---- qkv::attention -----------------------------------------------------------------------------
 
-// decode takes every score option (sinks in its merge; ALiBi and keep-first by its score rule).
+// decode takes every score option (sinks in its merge, the position terms by its score rule).
 std::string decode_gate(const Call& c) { return decode_refuse(*c.p); }
 std::string flash_gate(const Call& c) { return flash_refuse(*c.p); }
 // The tiled kernels are handed the level's bf16 form for bf16 q (kernels/engine/engine.hpp).

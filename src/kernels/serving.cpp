@@ -9,8 +9,8 @@
 //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
 // and rounded once to the output (engine/lse_merge.hpp, as the decode kernel's merge).
 //
-// Keep-first (window_keep_first) adds the splits of the first keys [0, first_hi) to a row's,
-// ALiBi a bias to its scores (engine/serving_item.hpp, by the score rule).
+// The position terms (score_rule.hpp) bias a row's scores and, with keep-first, add the splits of
+// its first keys [0, first_hi) to its own (engine/serving_item.hpp, by the score rule).
 //
 // Batch invariance: every number a row computes depends only on its query vector, its key range
 // (causal, window, keep-first, from its position) and the keys' values (engine/serving_item.hpp says how),

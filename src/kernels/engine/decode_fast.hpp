@@ -1,5 +1,5 @@
 #pragma once
-// The decode fast path: a few query rows, no explicit mask, no softcap (ALiBi and keep-first
+// The decode fast path: a few query rows, no explicit mask, no softcap (the position terms
 // taken, through the score rule: ScoreRule<false, false, kPosition>). One chunk of keys of
 // flash-decoding (Dao, Haziza, Massa, Sizov 2023) for the rows of one (batch, KV head) group (G
 // query heads x Sq, at most kFastRows), with the rows as plain arrays instead of the padded
@@ -13,7 +13,7 @@
 //           horizontal sums of 8 each). Fewer rows, and keys past the last full group, take one
 //           key at a time with one horizontal sum per score (Ops::hsum);
 //   softmax: per row, over the tile's scores as vectors (vector exp); with position terms each
-//           score first goes through the rule's scalar form (scale, ALiBi's bias, the key range
+//           score first goes through the rule's scalar form (scale, the position terms' bias, the key range
 //           with keep-first);
 //   PV: output rows in registers, broadcast(p_j) * v_j FMAs.
 // bf16/fp16 K and V are converted in registers (Ops::load_bf16 / f16), never through a buffer.
@@ -221,7 +221,7 @@ struct DecodeFast {
   // excludes keys outside each row's [lo, hi), and leaves the weights in s and the accumulator
   // rescale factor in w.alpha. Returns whether any key of the tile was excluded for some row.
   // A rule with position terms forms each score by its scalar form from the row's Position
-  // (w.rows[r].pos): ALiBi's bias, keep-first's keys admitted.
+  // (w.rows[r].pos): their bias, keep-first's keys admitted.
   template <class Rule>
   static bool fast_softmax(const Ws& w, int n, float* s, i64 t0, int kt, const Rule& rule) {
     const float neg_inf = -std::numeric_limits<float>::infinity();

@@ -6,7 +6,7 @@
 // For each row the item writes the split's partial: m = max_j s_j, l = sum_j e^(s_j - m) and the
 // unnormalised O = sum_j e^(s_j - m) v_j over the row's admitted keys of the split, in fp32: its
 // window's [lo, hi), and with window_keep_first the first keys [s0, fhi) of the split, before
-// them, with the keys between excluded (score_rule.hpp: the rule's position terms, ALiBi's bias
+// them, with the keys between excluded (score_rule.hpp: the rule's position terms, their bias
 // too).
 // Batch invariance rests on every number of a row depending only on its query, its key range and
 // the keys' values, never on the item's other rows or on where a key is stored:
@@ -80,7 +80,7 @@ struct ServingItemBody : ServingRows<Ops> {
     i64* lo = reinterpret_cast<i64*>(carve(L.rows * 8));
     i64* hi = reinterpret_cast<i64*>(carve(L.rows * 8));
     float** orow = reinterpret_cast<float**>(carve(L.rows * 8));  // each row's partial, found once
-    // The position terms (ALiBi, keep-first) of each row, and keep-first's keys of the split,
+    // The position terms (score_rule.hpp) of each row, and keep-first's keys of the split,
     // [flo, fhi) = [s0, fhi) (empty: fhi <= s0), disjoint from [lo, hi) and below it.
     const bool pos = has_position(p);
     auto* ps = reinterpret_cast<Position*>(carve(pos ? L.rows * static_cast<i64>(sizeof(Position)) : 0));
@@ -274,7 +274,7 @@ struct ServingItemBody : ServingRows<Ops> {
     }
 
     // Per row: the scores by the rule (score_rule.hpp: scale, softcap, the key range; with position
-    // terms its scalar form, ALiBi's bias and keep-first's keys too), max, exponentials, their sum.
+    // terms its scalar form, their bias and keep-first's keys too), max, exponentials, their sum.
     alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     static_assert(W <= 16);
     const V iota = Ops::load(kIota);
