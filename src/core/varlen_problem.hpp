@@ -48,7 +48,8 @@ struct VarlenProblem {
   /// Problem::key_ranges; 0 without keep-first).
   [[gnu::always_inline]] std::int64_t first_hi(std::int64_t b, std::int64_t i) const noexcept {
     const std::int64_t len = seq_k[b];
-    const std::int64_t right = p.window_right < 0 ? len : std::min<std::int64_t>(len, diag(b, i) + p.window_right + 1);
+    const std::int64_t right =
+        p.window_right < 0 ? len : std::min<std::int64_t>(len, diag(b, i) + p.window_right + 1);
     return std::max<std::int64_t>(0, std::min(p.keep_first, right));
   }
   /// Half-open range [lo, hi) of the keys that causal and window admit for query i of sequence b.

@@ -98,7 +98,8 @@ void serving_kernel(const VarlenProblem& vp) {
         for (i64 c = 0; c < ns; ++c) {
           const i64 a = std::max(klo, c * P), e = std::min(khi, (c + 1) * P), nh = std::min(NH, p.Hkv - hk);
           const i64 first = std::min(kf, (c + 1) * P) - c * P;  // keep-first's keys in the split
-          if (a < e || first > 0) items.push_back({b, hk, nh, t0, nt, c, nh * nt * (std::max<i64>(e - a, 0) + std::max<i64>(first, 0))});
+          if (a < e || first > 0)
+            items.push_back({b, hk, nh, t0, nt, c, nh * nt * (std::max<i64>(e - a, 0) + std::max<i64>(first, 0))});
         }
     }
   }
@@ -138,7 +139,8 @@ void serving_kernel(const VarlenProblem& vp) {
       // each once).
       const i64 c_f = p.keep_first > 0 ? (vp.first_hi(b, t) + P - 1) / P : 0, nf = std::min(c_f, c_lo);
       if (c_f >= c_lo) c_hi = std::max(c_hi, c_f);
-      merge_row(p, rp, nf, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss, h);
+      merge_row(p, rp, nf, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss,
+                h);
     });
   });
 }

@@ -278,12 +278,14 @@ struct DecodeFast {
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
     float* s = w.s;  // [n][BK] scores, then weights
     constexpr int esize = E == Elt::f32 ? 4 : 2;
-    for (i64 t0 = Bp::template first_tile<Rule>(blk); t0 < blk.kb; t0 = Bp::template next_tile<Rule>(blk, t0)) {
+    for (i64 t0 = Bp::template first_tile<Rule>(blk); t0 < blk.kb;
+         t0 = Bp::template next_tile<Rule>(blk, t0)) {
       const i64 t1 = tile_end<Rule>(blk, t0), tn = after<Rule>(blk, t1);
       const int kt = static_cast<int>(t1 - t0);
       // As in BlockProcessor::step: this tile's V rows during QK^T, the next tile's K rows during PV.
       Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, p.Dv, esize);
-      Prefetch pf_k(p.k.data, k_base + tn * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - tn)), D, esize);
+      Prefetch pf_k(p.k.data, k_base + tn * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - tn)), D,
+                    esize);
       fast_qk<E>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s, pf_v);
       const bool partial = fast_softmax(w, n, s, t0, kt, rule);
       if (partial)

@@ -295,7 +295,8 @@ struct ServingItemBody : ServingRows<Ops> {
         if constexpr (Rule::kHasPosition) {
           // Whole groups of W, each key admitted or -inf by the rule (lo, hi: clipped to the
           // split, which admits the same keys of it).
-          for (i64 j = ga; j < (rhi + Base::W - 1) / Base::W * Base::W; ++j) sr[j] = rule.score(sr[j], j, lo[r], hi[r], 0, ps[r]);
+          const i64 gb = (rhi + Base::W - 1) / Base::W * Base::W;
+          for (i64 j = ga; j < gb; ++j) sr[j] = rule.score(sr[j], j, lo[r], hi[r], 0, ps[r]);
           for (i64 j0 = ga; j0 < rhi; j0 += Base::W) vm = Ops::max(vm, Ops::load(sr + j0));
         } else {
           const V vlo = Ops::set1(static_cast<float>(lo[r] - s0)), vhi = Ops::set1(static_cast<float>(hi[r] - s0));
@@ -335,40 +336,40 @@ struct ServingItemBody : ServingRows<Ops> {
         // Rows with the same keys in this group (a token's query heads) share each value read:
         // the rows' keys [lo, hi) of the group, keep-first's [flo, fhi) before them.
         const auto pv_keys = [&](const i64* lo, const i64* hi) __attribute__((always_inline)) {
-        for (i64 r = x * Rh; r < (x + 1) * Rh;) {
-          const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
-          int nr = 1;
-          while (nr < max_nr && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
-          nr = nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
-          if (ja < jb) {
-            const float* pr[8];
-            float* o[8];
-            for (int y = 0; y < nr; ++y) {
-              pr[y] = s + (r + y) * SP + (ja - s0);
-              o[y] = orow[r + y];
-            }
-            const RowRef* vr = rows + (ja - j0);
-            const char* const* pfa = pfv ? pfv + (ja - j0) : nullptr;
-            if constexpr (kSplitPv) {
-              if (split) {
-                for (i64 c = 0; c < nv; c += 2) {
-                  if (nr == 8) Base::template group_pv_split<8>(pr, jb - ja, vr, c * W, o, pfa);
-                  else if (nr == 4) Base::template group_pv_split<4>(pr, jb - ja, vr, c * W, o, pfa);
-                  else if (nr == 2) Base::template group_pv_split<2>(pr, jb - ja, vr, c * W, o, pfa);
-                  else Base::template group_pv_split<1>(pr, jb - ja, vr, c * W, o, pfa);
-                }
-                r += nr;
-                continue;
+          for (i64 r = x * Rh; r < (x + 1) * Rh;) {
+            const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
+            int nr = 1;
+            while (nr < max_nr && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
+            nr = nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
+            if (ja < jb) {
+              const float* pr[8];
+              float* o[8];
+              for (int y = 0; y < nr; ++y) {
+                pr[y] = s + (r + y) * SP + (ja - s0);
+                o[y] = orow[r + y];
               }
+              const RowRef* vr = rows + (ja - j0);
+              const char* const* pfa = pfv ? pfv + (ja - j0) : nullptr;
+              if constexpr (kSplitPv) {
+                if (split) {
+                  for (i64 c = 0; c < nv; c += 2) {
+                    if (nr == 8) Base::template group_pv_split<8>(pr, jb - ja, vr, c * W, o, pfa);
+                    else if (nr == 4) Base::template group_pv_split<4>(pr, jb - ja, vr, c * W, o, pfa);
+                    else if (nr == 2) Base::template group_pv_split<2>(pr, jb - ja, vr, c * W, o, pfa);
+                    else Base::template group_pv_split<1>(pr, jb - ja, vr, c * W, o, pfa);
+                  }
+                  r += nr;
+                  continue;
+                }
+              }
+              with_src(vread, [&]<Src S>() {
+                if (nr == 4) Base::template pv_rows<S, 4>(pr, jb - ja, vr, nv, o, pfa);
+                else if (nr == 2) Base::template pv_rows<S, 2>(pr, jb - ja, vr, nv, o, pfa);
+                else Base::template pv_rows<S, 1>(pr, jb - ja, vr, nv, o, pfa);
+              });
             }
-            with_src(vread, [&]<Src S>() {
-              if (nr == 4) Base::template pv_rows<S, 4>(pr, jb - ja, vr, nv, o, pfa);
-              else if (nr == 2) Base::template pv_rows<S, 2>(pr, jb - ja, vr, nv, o, pfa);
-              else Base::template pv_rows<S, 1>(pr, jb - ja, vr, nv, o, pfa);
-            });
+            r += nr;
           }
-          r += nr;
-        }
         };
         if (j0 < fe) pv_keys(flo, fhi);
         pv_keys(lo, hi);
