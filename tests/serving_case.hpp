@@ -104,8 +104,8 @@ inline double get_d(const Tensor& t, i64 i) {
 }
 
 /// max |got - ref| over elements, requiring the same non-finite values (an empty row's lse is
-/// -inf in both, a NaN row NaN in both).
-inline double max_err(const Tensor& got, const Tensor& ref, const std::string& what) {
+/// -inf in both, a NaN row NaN in both); `relative`: max |got - ref| / (1 + |ref|).
+inline double max_err(const Tensor& got, const Tensor& ref, const std::string& what, bool relative = false) {
   double e = 0;
   for (i64 i = 0; i < ref.numel(); ++i) {
     const double g = get_d(got, i), r = get_d(ref, i);
@@ -113,7 +113,7 @@ inline double max_err(const Tensor& got, const Tensor& ref, const std::string& w
       EXPECT_TRUE((std::isnan(r) && std::isnan(g)) || g == r) << what << " element " << i << ": got " << g << ", want " << r;
       continue;
     }
-    e = std::max(e, std::abs(g - r));
+    e = std::max(e, std::abs(g - r) / (relative ? 1.0 + std::abs(r) : 1.0));
   }
   return e;
 }

@@ -2,9 +2,8 @@
 // published values; the float64 reference against hand-computed rows and against a naive
 // transcription of docs/semantics.md combined with every other option; the float64 backward
 // (dq, dk, dv, d z) against central finite differences; every entry point runs them (the dense
-// forward and backward on flash, packed batches per sequence on flash, paged and quantized ones
-// on the gathered reference), and explain_dispatch names why decode and serving refuse; the
-// options' errors. The fast kernels' accuracy with them: tests/test_score_options_kernels.cpp.
+// forward on decode or flash, the backward on flash, packed, paged and quantized batches on
+// serving), as explain_dispatch names; the options' errors. The fast kernels' accuracy with them: tests/test_score_options_kernels.cpp.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -462,44 +461,21 @@ struct F32Call {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
-// The position terms among the option names of a set ("sinks, alibi_slopes" -> "alibi_slopes"):
-// what decode and serving refuse.
-std::string position_names(const std::string& names) {
-  std::string r = names;
-  if (r.rfind("sinks", 0) == 0) r = r.substr(r.size() > 5 ? 7 : 5);
-  return r;
-}
-
-TEST(ScoreOptionsDispatch, DenseForwardAndBackwardRunFlash) {
+TEST(ScoreOptionsDispatch, DenseForwardRunsDecodeAndBackwardFlash) {
   F32Call f;
   for (const auto& [names, params] : f.option_sets()) {
     SCOPED_TRACE(names);
     Tensor out(DType::f32, {f.B, f.Hq, f.Sq, f.D}), lse(DType::f32, {f.B, f.Hq, f.Sq});
     const std::string e = explain_dispatch(f.q, f.k, f.v, out, params, lse.view());
-    // decode takes sinks (its merge joins them), not the position terms: flash does.
-    const std::string pos = position_names(names);
-    if (pos.empty()) {
-      EXPECT_TRUE(contains(e, "decode: chosen")) << e;
-    } else {
-      EXPECT_TRUE(contains(e, "decode: refused (" + pos + ": not taken by decode yet (flash takes them))")) << e;
-      EXPECT_TRUE(contains(e, "flash: chosen")) << e;
-    }
+    // decode takes every option (sinks in its merge, the position terms by its score rule).
+    EXPECT_TRUE(contains(e, "decode: chosen")) << e;
     attention(f.q, f.k, f.v, out, params, lse.view());
     Tensor ref(DType::f32, out.shape()), ref_lse(DType::f32, lse.shape());
     reference::attention(f.q, f.k, f.v, ref, params, ref_lse.view());
     for (i64 x = 0; x < out.numel(); ++x) EXPECT_NEAR(f32(out)[x], f32(ref)[x], 1e-5) << x;
     for (i64 x = 0; x < lse.numel(); ++x) EXPECT_NEAR(f32(lse)[x], f32(ref_lse)[x], 1e-5) << x;
-    // A forced decode names the option it does not take; flash, forced, runs every option.
+    // flash, forced, runs every option too.
     AttentionParams forced = params;
-    forced.kernel = KernelKind::decode;
-    if (!pos.empty()) {
-      try {
-        attention(f.q, f.k, f.v, out, forced);
-        ADD_FAILURE() << "decode ran";
-      } catch (const Error& err) {
-        EXPECT_TRUE(contains(err.what(), pos + ": not taken by decode yet")) << err.what();
-      }
-    }
     forced.kernel = KernelKind::flash;
     attention(f.q, f.k, f.v, out, forced, lse.view());
     for (i64 x = 0; x < out.numel(); ++x) EXPECT_NEAR(f32(out)[x], f32(ref)[x], 1e-5) << x;
@@ -560,37 +536,28 @@ void expect_packed_near(const Tensor& packed, const Tensor& dense, double tol) {
               << b << " " << h << " " << t << " " << x;
 }
 
-TEST(ScoreOptionsDispatch, VarlenPagedAndQuantizedRunFlashOrTheReference) {
+TEST(ScoreOptionsDispatch, VarlenPagedAndQuantizedRunServing) {
   F32Call f;
   Packed pk(f);
   for (const auto& [names, params] : f.option_sets()) {
     SCOPED_TRACE(names);
-    const std::string pos = position_names(names);
-    const std::string why = "(" + pos + ": not taken by serving yet (per-sequence flash takes them))";
-    // serving takes sinks alone (one more partial of its merge); the position terms go to
-    // flash one sequence at a time, or to the gathered reference (paged, quantized).
-    const std::string runs = pos.empty() ? "serving: chosen" : "reference: chosen";
+    // serving takes every option (sinks as one more partial of its merge, the position terms
+    // by its score rule), packed, paged and quantized alike.
+    const std::string runs = "serving: chosen";
     Tensor dense(DType::f32, {f.B, f.Hq, f.Sq, f.D});
     reference::attention(f.q, f.k, f.v, dense, params);  // same keys per batch: the packed call's meaning
-    // attention_varlen: serving refuses; each sequence's dense call takes flash.
     Tensor out(DType::f32, {f.B * f.Sq, f.Hq, f.D});
     std::string e = explain_dispatch(pk.q, pk.k, pk.v, out, pk.cuq(), pk.cuk(), params);
-    if (pos.empty()) {
-      EXPECT_TRUE(contains(e, "serving: chosen")) << e;
-    } else {
-      EXPECT_TRUE(contains(e, "serving: refused " + why)) << e;
-      EXPECT_TRUE(contains(e, "per-sequence: chosen (one qkv::attention call per sequence: flash (")) << e;
-    }
+    EXPECT_TRUE(contains(e, runs)) << e;
     attention_varlen(pk.q, pk.k, pk.v, out, pk.cuq(), pk.cuk(), params);
     expect_packed_near(out, dense, 1e-5);
-    // Quantized K and V (int8): serving refuses, the gathered reference runs.
+    // Quantized K and V (int8).
     Tensor kc(DType::i8, pk.k.shape()), vc(DType::i8, pk.v.shape());
     Tensor ks(DType::f32, {f.B * f.Sk, f.Hkv}), vs(DType::f32, {f.B * f.Sk, f.Hkv});
     const QuantizedKV qk{KVFormat::int8, kc, ks}, qv{KVFormat::int8, vc, vs};
     quantize_kv(pk.k, qk, "k");
     quantize_kv(pk.v, qv, "v");
     e = explain_dispatch(pk.q, qk, qv, out, pk.cuq(), pk.cuk(), params);
-    if (!pos.empty()) EXPECT_TRUE(contains(e, "serving: refused " + why)) << e;
     EXPECT_TRUE(contains(e, runs)) << e;
     attention_varlen(pk.q, qk, qv, out, pk.cuq(), pk.cuk(), params);
     Tensor kd(DType::f32, pk.k.shape()), vd(DType::f32, pk.v.shape()), outd(DType::f32, out.shape());
@@ -618,7 +585,6 @@ TEST(ScoreOptionsDispatch, VarlenPagedAndQuantizedRunFlashOrTheReference) {
       std::int32_t lens[2] = {static_cast<std::int32_t>(f.Sk), static_cast<std::int32_t>(f.Sk)};
       const TensorView seq_lens(lens, DType::i32, {2}), bt(table.data(), DType::i32, {f.B, per});
       e = explain_dispatch(pk.q, kp, vp, out, pk.cuq(), seq_lens, bt, params);
-      if (!pos.empty()) EXPECT_TRUE(contains(e, "serving: refused " + why)) << e;
       EXPECT_TRUE(contains(e, runs)) << e;
       attention_paged(pk.q, kp, vp, out, pk.cuq(), seq_lens, bt, params);
       expect_packed_near(out, dense, 1e-5);

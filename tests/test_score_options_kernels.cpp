@@ -1,6 +1,6 @@
 // The score options sinks, alibi_slopes and window_keep_first on the fast kernels: the tiled
-// forward (flash), the backward and decode (sinks; serving's: tests/test_varlen.cpp,
-// tests/test_batch_invariance.cpp) against the float64 reference on a randomized grid (every ISA
+// forward (flash), the backward and decode (its fast path and its tiles; serving's:
+// tests/test_score_options_serving.cpp) against the float64 reference on a randomized grid (every ISA
 // level, 1 and 2 threads, GQA, odd sizes, Sq != Sk, both alignments, with window, softcap, masks
 // and key lengths; the errors within 2 x those of a naive fp32 attention, dL/dz too); the
 // results bitwise invariant to threads and to batch composition; explain_dispatch names the
@@ -66,6 +66,69 @@ TEST(ScoreOptionsDecode, SinksRandomizedGrid) {
     run_case(c, KernelKind::decode);
     if (HasFailure()) return;
   }
+}
+
+// decode takes ALiBi and keep-first too (its fast path: no mask, no softcap, D whole vectors;
+// the tile engine otherwise): decode shapes, long rows of several chunks, every other option.
+TEST(ScoreOptionsDecode, PositionRandomizedGrid) {
+  std::mt19937_64 rng(9191);
+  for (int n = 0; n < 40; ++n) {
+    Config c = random_config(rng, true, 4e6);
+    draw_options(rng, c);
+    if (!c.alibi && !c.keep_first) c.alibi = 1 + static_cast<int>(rng() % 2);
+    run_case(c, KernelKind::decode);
+    if (HasFailure()) return;
+  }
+}
+
+// decode's chunks (4096 keys) with keep-first: the first keys in the first chunk apart from the
+// window (a range of their own), keep-first reaching into a later chunk (beside the window's
+// keys, the gap excluded), keep_first 0 or past Sk, GQA groups on the fast path (D = 16) and
+// off it (odd D, softcap).
+TEST(ScoreOptionsDecode, KeepFirstAcrossChunks) {
+  Config c;
+  c.Hq = 4;
+  c.Hkv = 2;
+  c.D = c.Dv = 16;
+  c.Sq = 2;
+  c.Sk = 9000;
+  c.causal = true;
+  c.wl = 10;
+  c.keep_first = 5000;  // chunks 0 and 1; the window in chunk 2
+  c.sinks = true;
+  run_case(c, KernelKind::decode);
+  c.Sk = 6000;  // chunk 1: keys [4096, 5000) and the window near 6000
+  c.Hq = 2;
+  c.Sq = 1;
+  run_case(c, KernelKind::decode);
+  c.alibi = 2;
+  c.B = 2;
+  c.keep_first = 7;
+  c.Sk = 4200;
+  run_case(c, KernelKind::decode);
+  c.keep_first = 0;  // ALiBi alone
+  c.align = Alignment::top_left;
+  c.Sq = 5;
+  run_case(c, KernelKind::decode);
+  c.keep_first = 9000;  // past Sk: every key up to the window's right bound
+  c.wl = 3;
+  c.wr = 2;
+  c.causal = false;
+  run_case(c, KernelKind::decode);
+  c.D = c.Dv = 17;  // the tile engine
+  c.softcap = 5.0;
+  c.Sk = 300;
+  c.keep_first = 40;
+  c.align = Alignment::bottom_right;
+  c.kv_lens = true;
+  run_case(c, KernelKind::decode);
+  c.dtype = DType::bf16;
+  c.D = c.Dv = 64;
+  c.softcap = 0.0;
+  c.Hq = 8;
+  c.Hkv = 1;
+  c.Sq = 2;
+  run_case(c, KernelKind::decode);
 }
 
 // Rows whose window is empty but whose first keys stay admitted, rows empty altogether (a sink
@@ -270,9 +333,9 @@ TEST(ScoreOptionsKernels, PositionTermsBitwise) {
 }
 
 // Each batch element computed alone gives the bits it has in the batch (per-batch slopes
-// sliced), forward and backward, with every option.
-TEST(ScoreOptionsKernels, BatchCompositionInvariance) {
-  const i64 B = 3, Hq = 4, Hkv = 2, Sq = 37, Sk = 90, D = 24;
+// sliced), forward and backward, with every option; decode's too (its chunks: 4096 keys).
+void batch_composition(KernelKind kind, i64 Sq, i64 Sk, i64 D) {
+  const i64 B = 3, Hq = 4, Hkv = 2;
   std::mt19937_64 rng(5);
   auto rnd = [&](Shape s) { return normal_f32(rng, s); };
   Tensor q = rnd({B, Hq, Sq, D}), k = rnd({B, Hkv, Sk, D}), v = rnd({B, Hkv, Sk, D}), dout = rnd({B, Hq, Sq, D});
@@ -284,11 +347,12 @@ TEST(ScoreOptionsKernels, BatchCompositionInvariance) {
   p.window_keep_first = 3;
   p.sinks = sinks.view();
   p.alibi_slopes = slopes.view();
-  p.kernel = KernelKind::flash;
+  p.kernel = kind;
   Tensor out(DType::f32, {B, Hq, Sq, D}), lse(DType::f32, {B, Hq, Sq});
   attention(q, k, v, out, p, lse.view());
   Tensor dq(DType::f32, q.shape()), dk(DType::f32, k.shape()), dv(DType::f32, v.shape()), dz(DType::f32, {Hq});
-  attention_backward(q, k, v, out, lse, dout, dq, dk, dv, p);
+  const bool backward = kind == KernelKind::flash;  // (decode: a forward kernel)
+  if (backward) attention_backward(q, k, v, out, lse, dout, dq, dk, dv, p);
   for (i64 b = 0; b < B; ++b) {
     SCOPED_TRACE(b);
     auto one = [&](const Tensor& t) {
@@ -309,6 +373,7 @@ TEST(ScoreOptionsKernels, BatchCompositionInvariance) {
       attention(q1, k1, v1, o1, p1, l1.view());
       EXPECT_EQ(std::memcmp(o1.data(), out.data_as<float>() + b * o1.numel(), o1.nbytes()), 0);
       EXPECT_EQ(std::memcmp(l1.data(), lse.data_as<float>() + b * l1.numel(), l1.nbytes()), 0);
+      if (!backward) continue;
       Tensor gq(DType::f32, q1.shape()), gk(DType::f32, k1.shape()), gv(DType::f32, v1.shape());
       attention_backward(q1, k1, v1, o1, l1, d1, gq, gk, gv, p1);
       EXPECT_EQ(std::memcmp(gq.data(), dq.data_as<float>() + b * gq.numel(), gq.nbytes()), 0);
@@ -316,6 +381,7 @@ TEST(ScoreOptionsKernels, BatchCompositionInvariance) {
       EXPECT_EQ(std::memcmp(gv.data(), dv.data_as<float>() + b * gv.numel(), gv.nbytes()), 0);
     }
   }
+  if (!backward) return;
   // dz: the same bits for any thread count.
   Tensor z1(DType::f32, {Hq}), z2(DType::f32, {Hq});
   p.num_threads = 1;
@@ -323,6 +389,16 @@ TEST(ScoreOptionsKernels, BatchCompositionInvariance) {
   p.num_threads = 2;
   attention_backward(q, k, v, out, lse, dout, dq, dk, dv, z2, p);
   EXPECT_EQ(std::memcmp(z1.data(), z2.data(), z1.nbytes()), 0);
+}
+
+TEST(ScoreOptionsKernels, BatchCompositionInvariance) { batch_composition(KernelKind::flash, 37, 90, 24); }
+TEST(ScoreOptionsDecode, BatchCompositionInvariance) {
+  for (detail::Isa isa : test_isas(DType::f32)) {
+    IsaCap cap(isa);
+    SCOPED_TRACE(detail::isa_name(isa));
+    batch_composition(KernelKind::decode, 3, 4500, 32);  // the fast path
+    batch_composition(KernelKind::decode, 2, 200, 20);   // the tile engine
+  }
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
@@ -333,12 +409,14 @@ TEST(ScoreOptionsKernels, ExplainNamesTheFastKernel) {
   Tensor sinks(DType::f32, {Hq}), slopes(DType::f32, {Hq}), out(DType::f32, {1, Hq, 1, D}), lse(DType::f32, {1, Hq, 1});
   AttentionParams p;
   p.sinks = sinks.view();
-  // One query row: decode takes sinks; ALiBi goes to flash.
+  // One query row: decode takes sinks, ALiBi and keep-first.
   EXPECT_TRUE(contains(explain_dispatch(q, k, v, out, p, lse.view()), "decode: chosen"));
   p.alibi_slopes = slopes.view();
+  p.window_left = 4;
+  p.window_keep_first = 2;
   const std::string e = explain_dispatch(q, k, v, out, p, lse.view());
-  EXPECT_TRUE(contains(e, "decode: refused (alibi_slopes: not taken by decode yet (flash takes them))")) << e;
-  EXPECT_TRUE(contains(e, "flash: chosen")) << e;
+  EXPECT_TRUE(contains(e, "decode: chosen")) << e;
+  EXPECT_TRUE(contains(e, "flash: usable, lower priority")) << e;
   Tensor dq(DType::f32, q.shape()), dk(DType::f32, k.shape()), dv(DType::f32, v.shape()), dz(DType::f32, {Hq});
   const std::string eb = explain_dispatch(q, k, v, out, lse, out, dq, dk, dv, dz, p);
   EXPECT_TRUE(contains(eb, "flash: chosen")) << eb;

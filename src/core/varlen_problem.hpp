@@ -2,6 +2,7 @@
 // The lowered form of one attention_varlen, attention_varlen_backward or attention_paged call
 // (validate_varlen.cpp), read by the serving kernel (src/kernels/serving.cpp) and the registry's
 // other paths of packed calls (src/dispatch/packed.cpp). Plain data, strides in elements.
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -37,6 +38,19 @@ struct VarlenProblem {
     if (!paged) return (cu_k[b] + j) * x.ss + hk * x.sh;
     const std::int64_t blk = block_table[b * bt_stride + (j / block_size) * bt_col_stride];
     return blk * x.sb + hk * x.sh + (j % block_size) * x.ss;
+  }
+  /// Key position of query i of sequence b's diagonal.
+  [[gnu::always_inline]] std::int64_t diag(std::int64_t b, std::int64_t i) const noexcept {
+    return p.align == Alignment::bottom_right ? i + seq_k[b] - seq_q(b) : i;
+  }
+  /// With window_keep_first: the first keys [0, first_hi) that query i of sequence b admits
+  /// besides key_range's, those below the window's right bound and the sequence's key count (as
+  /// Problem::key_ranges; 0 without keep-first).
+  [[gnu::always_inline]] std::int64_t first_hi(std::int64_t b, std::int64_t i) const noexcept {
+    const std::int64_t len = seq_k[b];
+    const std::int64_t right =
+        p.window_right < 0 ? len : std::min<std::int64_t>(len, diag(b, i) + p.window_right + 1);
+    return std::max<std::int64_t>(0, std::min(p.keep_first, right));
   }
   /// Half-open range [lo, hi) of the keys that causal and window admit for query i of sequence b.
   void key_range(std::int64_t b, std::int64_t i, std::int64_t& lo, std::int64_t& hi) const noexcept {

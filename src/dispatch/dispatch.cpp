@@ -22,30 +22,10 @@ const char* kind_name(KernelKind k) {
 
 std::string accept(const Call&) { return {}; }
 
-}  // namespace
-
-std::string score_options_refusal(const Problem& p, const char* kernel, const char* taker, bool takes_sinks) {
-  std::string names;
-  const auto add = [&](bool on, const char* name) {
-    if (on) names += (names.empty() ? "" : ", ") + std::string(name);
-  };
-  add(!takes_sinks && !p.sinks.empty(), "sinks");
-  add(!p.alibi.empty(), "alibi_slopes");
-  add(p.keep_first > 0, "window_keep_first");
-  if (names.empty()) return {};
-  return names + ": not taken by " + kernel + " yet (" + taker + " takes them)";
-}
-
-namespace {
-
 // ---- qkv::attention -----------------------------------------------------------------------------
 
-// The position terms (ALiBi, keep-first) come first for decode, which takes sinks (in its merge)
-// but not them yet: flash does, whatever the shape.
-std::string decode_gate(const Call& c) {
-  std::string why = score_options_refusal(*c.p, "decode", "flash", true);
-  return why.empty() ? decode_refuse(*c.p) : why;
-}
+// decode takes every score option (sinks in its merge, the position terms by its score rule).
+std::string decode_gate(const Call& c) { return decode_refuse(*c.p); }
 std::string flash_gate(const Call& c) { return flash_refuse(*c.p); }
 // The tiled kernels are handed the level's bf16 form for bf16 q (kernels/engine/engine.hpp).
 std::string forward_isa(const Call& c) { return active_isa_form(c.p->q.dtype == DType::bf16); }
@@ -92,7 +72,6 @@ void run_reference_backward(const Call& c) { reference_backward(*c.bp); }
 // ---- packed and paged batches ---------------------------------------------------------------------
 
 std::string serving_gate(const Call& c) {
-  if (std::string why = score_options_refusal(*c.p, "serving", "per-sequence flash", true); !why.empty()) return why;
   if (c.p->q.dtype == DType::f64) return "float64 inputs: serving computes in fp32";
   return {};
 }

@@ -90,11 +90,6 @@ struct Choice {
 /// ends the search.
 Choice choose_kernel(const Call& c, bool explain);
 
-/// Why `kernel` refuses a call with score options it does not take yet (alibi_slopes,
-/// window_keep_first, and sinks unless takes_sinks), naming each one given and the kernel that
-/// does: "alibi_slopes: not taken by decode yet (flash takes them)"; empty without them.
-std::string score_options_refusal(const Problem& p, const char* kernel, const char* taker, bool takes_sinks);
-
 /// choose_kernel, then the chosen kernel's run function.
 void run_call(const Call& c);
 

@@ -17,7 +17,13 @@
 // scores of the next tile and the PV product of the current one go in one pass, so K and V stream
 // side by side; bf16/fp16 K and V are widened in registers (exact), so bf16 decode computes in
 // fp32 throughout (no bf16 rounding of P as in the vdpbf16ps block path).
-// Other cases (masks, softcap, many rows, odd D) use the tile engine unchanged.
+// The position terms (score_rule.hpp) go through the score rule on either path (the fast path scores their rows
+// by the rule's scalar form). Other cases (masks, softcap, many rows, odd D) use the tile engine
+// unchanged.
+//
+// Keep-first: a chunk holds the rows' first keys [0, first_hi) that lie in it besides their
+// window's keys (forward_schedule.hpp, chunk_keep_first), so every chunk stays at fixed key
+// positions and the merge still runs in chunk order.
 //
 // Threading: one work item per (batch, KV head, row block, chunk), dynamic schedule. The chunk
 // size depends only on the problem (at most 64 chunks per KV head, at least 4096 keys, partials

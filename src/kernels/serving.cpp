@@ -9,8 +9,11 @@
 //   M = max_c m_c, L = sum_c l_c e^{m_c - M}, O = sum_c O_c e^{m_c - M} / L, lse = M + log L,
 // and rounded once to the output (engine/lse_merge.hpp, as the decode kernel's merge).
 //
+// The position terms (score_rule.hpp) bias a row's scores and, with keep-first, add the splits of
+// its first keys [0, first_hi) to its own (engine/serving_item.hpp, by the score rule).
+//
 // Batch invariance: every number a row computes depends only on its query vector, its key range
-// (causal, window, from its position) and the keys' values (engine/serving_item.hpp says how),
+// (causal, window, keep-first, from its position) and the keys' values (engine/serving_item.hpp says how),
 // split boundaries are absolute, and the merge order is fixed. Which other rows share a work item
 // (tokens of the same sequence, the query heads of one KV head, sharing one read of each key),
 // which thread runs it, and where a key is stored (packed, or any page) change no bit. Each ISA
@@ -45,14 +48,14 @@ namespace {
 using i64 = std::int64_t;
 constexpr i64 P = kServingSplit;
 
-// Row r's split partials (pf floats each: O, then m, l) merged in split order (lse_merge.hpp),
-// head h's sink (if any) joined once as one more partial.
-void merge_row(const Problem& p, const float* parts, i64 c_lo, i64 c_hi, i64 Dv, i64 pf, double* accd,
+// Row r's split partials (pf floats each: O, then m, l) of splits [0, nf) and [c_lo, c_hi)
+// merged in split order (lse_merge.hpp), head h's sink (if any) joined once as one more partial.
+void merge_row(const Problem& p, const float* parts, i64 nf, i64 c_lo, i64 c_hi, i64 Dv, i64 pf, double* accd,
                i64 out_off, i64 lse_off, i64 h) {
   LseMerge merge(accd, Dv);
   const float sink = p.sinks.empty() ? -std::numeric_limits<float>::infinity()
                                      : static_cast<float>(p.sinks[static_cast<std::size_t>(h)]);
-  merge.run(c_hi - c_lo, pf - 2, [&](i64 c) { return parts + (c_lo + c) * pf; }, sink);
+  merge.run(nf + c_hi - c_lo, pf - 2, [&](i64 c) { return parts + (c < nf ? c : c_lo + c - nf) * pf; }, sink);
   for (i64 d = 0; d < Dv; ++d) store_from_float(p.out.data, p.out.dtype, out_off + d * p.out.sx, merge.out(d));
   if (p.lse.data) store_from_float(p.lse.data, p.lse.dtype, lse_off, merge.lse());
 }
@@ -82,17 +85,21 @@ void serving_kernel(const VarlenProblem& vp) {
     macs += static_cast<double>(sq) * static_cast<double>(sk) * static_cast<double>(p.Hq * (p.D + p.Dv));
     for (i64 t0 = 0; t0 < sq; t0 += TT) {
       const i64 nt = std::min(TT, sq - t0);
-      // The union of the tile's key ranges (each row's range is checked again in the item).
-      i64 klo = sk, khi = 0;
+      // The union of the tile's key ranges (each row's range is checked again in the item), and
+      // of keep-first's keys [0, kf).
+      i64 klo = sk, khi = 0, kf = 0;
       for (i64 t = t0; t < t0 + nt; ++t) {
         i64 lo, hi;
         vp.key_range(b, t, lo, hi);
         if (lo < hi) { klo = std::min(klo, lo); khi = std::max(khi, hi); }
+        if (p.keep_first > 0) kf = std::max(kf, vp.first_hi(b, t));
       }
       for (i64 hk = 0; hk < p.Hkv; hk += NH)
         for (i64 c = 0; c < ns; ++c) {
           const i64 a = std::max(klo, c * P), e = std::min(khi, (c + 1) * P), nh = std::min(NH, p.Hkv - hk);
-          if (a < e) items.push_back({b, hk, nh, t0, nt, c, nh * nt * (e - a)});
+          const i64 first = std::min(kf, (c + 1) * P) - c * P;  // keep-first's keys in the split
+          if (a < e || first > 0)
+            items.push_back({b, hk, nh, t0, nt, c, nh * nt * (std::max<i64>(e - a, 0) + std::max<i64>(first, 0))});
         }
     }
   }
@@ -127,8 +134,13 @@ void serving_kernel(const VarlenProblem& vp) {
       i64 lo, hi;
       vp.key_range(b, t, lo, hi);
       const float* rp = parts + part_base[static_cast<std::size_t>(b)] + (t * p.Hq + h) * ns * pf;
-      const i64 c_lo = lo < hi ? lo / P : 0, c_hi = lo < hi ? (hi + P - 1) / P : 0;
-      merge_row(p, rp, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss, h);
+      i64 c_lo = lo < hi ? lo / P : 0, c_hi = lo < hi ? (hi + P - 1) / P : 0;
+      // Keep-first: splits [0, c_f) too, those below c_lo first (every split of a row ascending,
+      // each once).
+      const i64 c_f = p.keep_first > 0 ? (vp.first_hi(b, t) + P - 1) / P : 0, nf = std::min(c_f, c_lo);
+      if (c_f >= c_lo) c_hi = std::max(c_hi, c_f);
+      merge_row(p, rp, nf, c_lo, c_hi, p.Dv, pf, accd, h * p.out.sh + tok * p.out.ss, h * p.lse.sh + tok * p.lse.ss,
+                h);
     });
   });
 }

@@ -27,8 +27,9 @@ struct ServingLayout {
     // bf16 pairs (at most 16 columns per row: a head of one row takes 16) and 64 keys of S^T.
     const std::int64_t floats = rows * Dp + (rows + 16) * (kServingSplit + 16) + 16 * Dp + 16 * Dvp +
                                 std::max(Dp, Dvp) + (Dp / 2) * 16 * rows + 64 * Rp;
-    // + per row: its key range, its query row (bf16 dot products) and its partial's address
-    return floats * 4 + rows * 32 + 12 * 64;
+    // + per row: its key range, its query row (bf16 dot products), its partial's address, its
+    // position terms and keep-first's keys (32 + 24 + 16 bytes)
+    return floats * 4 + rows * 72 + 15 * 64;
   }
 };
 

@@ -444,8 +444,7 @@ def test_explain_shows_the_score_options():
 
 
 def test_fast_kernels_take_the_options_and_explain_says_which():
-    # flash (forward and backward) takes all three, equal to the float64 reference; decode takes
-    # sinks only and refuses the position terms by name (flash runs those calls)
+    # flash (forward and backward) and decode take all three, equal to the float64 reference
     q = rand(1, 2, 3, 8, seed=0)
     z = np.array([0.5, -1.0], np.float32)
     for kw, name in ((dict(sinks=z), "sinks"), (dict(alibi_slopes=np.abs(z)), "alibi_slopes"),
@@ -453,11 +452,8 @@ def test_fast_kernels_take_the_options_and_explain_says_which():
         assert "reference: usable, lower priority" in qkv.explain_dispatch(q, q, q, **kw)
         ref = qkv.attention(q, q, q, kernel="reference", **kw)
         np.testing.assert_allclose(qkv.attention(q, q, q, kernel="flash", **kw), ref, rtol=0, atol=2e-6)
-        if name == "sinks":
-            np.testing.assert_allclose(qkv.attention(q, q, q, kernel="decode", **kw), ref, rtol=0, atol=2e-6)
-        else:
-            with pytest.raises(ValueError, match=f"kernel: .*{name}"):
-                qkv.attention(q, q, q, kernel="decode", **kw)
+        np.testing.assert_allclose(qkv.attention(q, q, q, kernel="decode", **kw), ref, rtol=0, atol=2e-6)
+        assert "decode: chosen" in qkv.explain_dispatch(q, q, q, **kw), name
     assert "flash: chosen" in qkv.explain_dispatch(q, q, q, sinks=z, backward=True)
     out, lse = qkv.attention(q, q, q, sinks=z, return_lse=True)
     fast = qkv.attention_backward(q, q, q, out, lse, out, sinks=z, kernel="flash")

@@ -1,5 +1,6 @@
 #pragma once
-// The decode fast path: a few query rows, no explicit mask, no softcap. One chunk of keys of
+// The decode fast path: a few query rows, no explicit mask, no softcap (the position terms
+// taken, through the score rule: ScoreRule<false, false, kPosition>). One chunk of keys of
 // flash-decoding (Dao, Haziza, Massa, Sizov 2023) for the rows of one (batch, KV head) group (G
 // query heads x Sq, at most kFastRows), with the rows as plain arrays instead of the padded
 // kBq-row block of BlockProcessor::process; the same FlashAttention-2 inner loop (Dao 2023,
@@ -11,11 +12,15 @@
 //           the same bits (Ops::hsum_w; on AVX-512 45 operations for 16 scores instead of 16
 //           horizontal sums of 8 each). Fewer rows, and keys past the last full group, take one
 //           key at a time with one horizontal sum per score (Ops::hsum);
-//   softmax: per row, over the tile's scores as vectors (vector exp);
+//   softmax: per row, over the tile's scores as vectors (vector exp); with position terms each
+//           score first goes through the rule's scalar form (scale, the position terms' bias, the key range
+//           with keep-first);
 //   PV: output rows in registers, broadcast(p_j) * v_j FMAs.
 // bf16/fp16 K and V are converted in registers (Ops::load_bf16 / f16), never through a buffer.
 // Keys admitted by only some rows of the group get -inf scores by select (NaN from an
-// excluded K row is discarded) and weight-0 FMAs are skipped (masked) in PV.
+// excluded K row is discarded) and weight-0 FMAs are skipped (masked) in PV. With keep-first the
+// tiles of the block's first keys [0, first_kb) come before those of [ka, kb) (Block::first_kb),
+// the gap between never read.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -38,7 +43,7 @@ struct DecodeFast {
   using Mk = Microkernels<Ops>;
   using Wsp = Workspace<Ops>;
   using Sm = OnlineSoftmax<Ops>;
-  using Rule = ScoreRule<>;  // no mask, no softcap (decode_fast_ok)
+  using Bp = BlockProcessor<Ops>;
   static constexpr int W = Ops::W;
   static constexpr int BQ = Ops::kBq;
   static constexpr int BK = Ops::kBk;
@@ -52,13 +57,34 @@ struct DecodeFast {
   // them, with room for the loads and the score).
   static constexpr int kStreamRegs = Ops::kAccRegs / 3 < 8 ? Ops::kAccRegs / 3 : 8;
 
+  // Whether the fast path takes the call (its rule: no mask, no softcap; position terms or not).
   static bool decode_fast_ok(const Problem& p) {
     return p.mask.data == nullptr && p.softcap <= 0.0 && p.group() * p.Sq <= kFastRows &&
            p.D % W == 0 && p.Dv % W == 0 && p.q.dtype != DType::f64;
   }
 
+  // The tiles of a block, BK keys each from Bp::first_tile: [ka, kb), and with a rule with
+  // position terms keep-first's [0, first_kb) before them. The end of the tile at t0, and the
+  // start of the one after the tile ending at t1 (t1 itself but at the end of the first keys).
+  template <class Rule>
+  [[gnu::always_inline]] static i64 tile_end(const Block& blk, i64 t0) {
+    if constexpr (Rule::kHasPosition)
+      if (t0 < blk.first_kb) return std::min<i64>(t0 + BK, blk.first_kb);
+    return std::min<i64>(t0 + BK, blk.kb);
+  }
+  template <class Rule>
+  [[gnu::always_inline]] static i64 after(const Block& blk, i64 t1) {
+    if constexpr (Rule::kHasPosition)
+      if (t1 == blk.first_kb) return blk.ka;
+    return t1;
+  }
+
+  // The products below take the caller's score rule R only so that each rule has its own copies:
+  // GCC inlines a function called from one place, and shared by the rules with and without
+  // position terms they were left out of line, 7% slower decode without them (Hq 32, Hkv 8, bf16,
+  // Sk 32768, one thread).
   // s[r * BK] = q_r . k for the key row at koff, rows r < MR.
-  template <Elt E, int MR>
+  template <Elt E, int MR, class R>
   static void fast_qk_mk(const float* qr, i64 D, const void* k, i64 koff, float* s) {
     V acc[MR];
 #pragma GCC unroll 4
@@ -97,7 +123,7 @@ struct DecodeFast {
   }
 
   // `pf` (the tile's V rows) advances by one row per key.
-  template <Elt E, int MR>
+  template <Elt E, int MR, class R>
   static void fast_qk_rows(const float* qr, i64 D, const void* k, i64 koff, i64 ks, int kt, float* s,
                            Prefetch& pf) {
     int j0 = 0;
@@ -109,18 +135,18 @@ struct DecodeFast {
       }
     }
     for (int j = j0; j < kt; ++j) {
-      fast_qk_mk<E, MR>(qr, D, k, koff + j * ks, s + j);
+      fast_qk_mk<E, MR, R>(qr, D, k, koff + j * ks, s + j);
       pf.step(1);
     }
   }
 
-  template <Elt E>
+  template <Elt E, class R>
   static void fast_qk(const float* qr, int n, i64 D, const void* k, i64 koff, i64 ks, int kt, float* s,
                       Prefetch& pf) {
     int r = 0;
-    for (; r + kQkRows <= n; r += kQkRows) fast_qk_rows<E, kQkRows>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
+    for (; r + kQkRows <= n; r += kQkRows) fast_qk_rows<E, kQkRows, R>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
     with_int<1, kQkRows - 1>(n - r, [&]<int MR>() __attribute__((always_inline)) {
-      fast_qk_rows<E, MR>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
+      fast_qk_rows<E, MR, R>(qr + r * D, D, k, koff, ks, kt, s + r * BK, pf);
     });
     pf.rest();
   }
@@ -135,7 +161,7 @@ struct DecodeFast {
 
   // o[r][c*W..] = alpha[r] o[r][c*W..] + sum_j p[r][j] v_j[c*W..], MR rows, NC vectors.
   // `pf` (the next tile's K rows) advances by one row per key.
-  template <Elt E, int MR, int NC, bool SKIP>
+  template <Elt E, int MR, int NC, bool SKIP, class R>
   static void fast_pv_mk(const float* s, const void* v, i64 voff, i64 vs, int kt, float* o, i64 os,
                          const float* alpha, Prefetch& pf) {
     V acc[MR][NC];
@@ -173,24 +199,24 @@ struct DecodeFast {
       for (int c = 0; c < NC; ++c) Ops::store(o + r * os + c * W, acc[r][c]);
   }
 
-  template <Elt E, int MR, bool SKIP>
+  template <Elt E, int MR, bool SKIP, class R>
   static void fast_pv_rows(const float* s, const void* v, i64 voff, i64 vs, int kt, float* o, i64 os,
                            const float* alpha, int nvec, Prefetch& pf) {
     constexpr int NC = fast_nc(MR);
     int c = 0;
     for (; c + NC <= nvec; c += NC)
-      fast_pv_mk<E, MR, NC, SKIP>(s, v, voff + c * W, vs, kt, o + c * W, os, alpha, pf);
-    for (; c < nvec; ++c) fast_pv_mk<E, MR, 1, SKIP>(s, v, voff + c * W, vs, kt, o + c * W, os, alpha, pf);
+      fast_pv_mk<E, MR, NC, SKIP, R>(s, v, voff + c * W, vs, kt, o + c * W, os, alpha, pf);
+    for (; c < nvec; ++c) fast_pv_mk<E, MR, 1, SKIP, R>(s, v, voff + c * W, vs, kt, o + c * W, os, alpha, pf);
   }
 
-  template <Elt E, bool SKIP>
+  template <Elt E, bool SKIP, class R>
   static void fast_pv(const float* s, int n, const void* v, i64 voff, i64 vs, int kt, float* o, i64 os,
                       const float* alpha, int nvec, Prefetch& pf) {
     int r = 0;
     for (; r + 4 <= n; r += 4)
-      fast_pv_rows<E, 4, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf);
+      fast_pv_rows<E, 4, SKIP, R>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf);
     with_int<1, 3>(n - r, [&]<int MR>() __attribute__((always_inline)) {
-      fast_pv_rows<E, MR, SKIP>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf);
+      fast_pv_rows<E, MR, SKIP, R>(s + r * BK, v, voff, vs, kt, o + r * os, os, alpha + r, nvec, pf);
     });
     pf.rest();
   }
@@ -198,19 +224,29 @@ struct DecodeFast {
   // Online softmax of one tile's scores s[r * BK + j] (keys t0 + j, j < kt) for n rows: scales,
   // excludes keys outside each row's [lo, hi), and leaves the weights in s and the accumulator
   // rescale factor in w.alpha. Returns whether any key of the tile was excluded for some row.
+  // A rule with position terms forms each score by its scalar form from the row's Position
+  // (w.rows[r].pos): their bias, keep-first's keys admitted.
+  template <class Rule>
   static bool fast_softmax(const Ws& w, int n, float* s, i64 t0, int kt, const Rule& rule) {
     const float neg_inf = -std::numeric_limits<float>::infinity();
-    const i64 t1 = t0 + kt;
+    [[maybe_unused]] const i64 t1 = t0 + kt;
     const int ktp = static_cast<int>(round_up(kt, W));
     bool partial = false;
     for (int r = 0; r < n; ++r) {
       float* sr = s + r * BK;
       const Row& row = w.rows[r];
-      for (int j = 0; j < ktp; j += W) Ops::store(sr + j, rule.template scale_v<Ops>(Ops::load(sr + j)));
-      if (t0 < row.lo || t1 > row.hi) {
-        partial = true;
-        for (int j = 0; j < kt; ++j)
-          if (!Rule::in_range(t0 + j, row.lo, row.hi)) sr[j] = neg_inf;
+      if constexpr (Rule::kHasPosition) {
+        for (int j = 0; j < kt; ++j) {
+          sr[j] = rule.score(sr[j], t0 + j, row.lo, row.hi, 0, row.pos);
+          partial = partial || sr[j] == neg_inf;
+        }
+      } else {
+        for (int j = 0; j < ktp; j += W) Ops::store(sr + j, rule.template scale_v<Ops>(Ops::load(sr + j)));
+        if (t0 < row.lo || t1 > row.hi) {
+          partial = true;
+          for (int j = 0; j < kt; ++j)
+            if (!Rule::in_range(t0 + j, row.lo, row.hi)) sr[j] = neg_inf;
+        }
       }
       for (int j = kt; j < ktp; ++j) sr[j] = neg_inf;
       V mx = Ops::set1(neg_inf);
@@ -232,7 +268,7 @@ struct DecodeFast {
 
   // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb), tile by tile: QK^T of
   // a tile, its softmax, then its PV product.
-  template <Elt E>
+  template <Elt E, class Rule>
   static void process_fast_tiles(const Problem& p, const Block& blk, const Ws& w) {
     const int n = blk.n;
     const i64 D = p.D, Dvp = Wsp::dvp(p);
@@ -246,18 +282,20 @@ struct DecodeFast {
     const i64 v_base = blk.b * p.v.sb + blk.hk * p.v.sh;
     float* s = w.s;  // [n][BK] scores, then weights
     constexpr int esize = E == Elt::f32 ? 4 : 2;
-    for (i64 t0 = blk.ka; t0 < blk.kb; t0 += BK) {
-      const i64 t1 = std::min<i64>(t0 + BK, blk.kb);
+    for (i64 t0 = Bp::template first_tile<Rule>(blk); t0 < blk.kb;
+         t0 = Bp::template next_tile<Rule>(blk, t0)) {
+      const i64 t1 = tile_end<Rule>(blk, t0), tn = after<Rule>(blk, t1);
       const int kt = static_cast<int>(t1 - t0);
       // As in BlockProcessor::step: this tile's V rows during QK^T, the next tile's K rows during PV.
       Prefetch pf_v(p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, p.Dv, esize);
-      Prefetch pf_k(p.k.data, k_base + t1 * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - t1)), D, esize);
-      fast_qk<E>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s, pf_v);
+      Prefetch pf_k(p.k.data, k_base + tn * p.k.ss, p.k.ss, static_cast<int>(std::min<i64>(BK, blk.kb - tn)), D,
+                    esize);
+      fast_qk<E, Rule>(w.qr, n, D, p.k.data, k_base + t0 * p.k.ss, p.k.ss, kt, s, pf_v);
       const bool partial = fast_softmax(w, n, s, t0, kt, rule);
       if (partial)
-        fast_pv<E, true>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
+        fast_pv<E, true, Rule>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
       else
-        fast_pv<E, false>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
+        fast_pv<E, false, Rule>(s, n, p.v.data, v_base + t0 * p.v.ss, p.v.ss, kt, w.o, Dvp, w.alpha, nvec, pf_k);
     }
   }
 
@@ -270,7 +308,7 @@ struct DecodeFast {
   // (docs/performance-history.md). Same arithmetic in the same order as process_fast_tiles, so the same
   // result bit for bit: each score is formed alone and each FMA chain runs in key order (the
   // accumulator is rescaled once per tile, then multiplied by 1 between steps).
-  template <Elt E>
+  template <Elt E, class Rule>
   static void process_fast_stream(const Problem& p, const Block& blk, const Ws& w) {
     const i64 D = p.D, Dvp = Wsp::dvp(p);
     const int nvec = static_cast<int>(Dvp / W);
@@ -286,23 +324,23 @@ struct DecodeFast {
     float* s_cur = w.s;  // [BK] scores of the current tile, then its weights
     float* s_nxt = w.s + BK;
     Prefetch none;
-    i64 t0 = blk.ka;
-    int kt = static_cast<int>(std::min<i64>(BK, blk.kb - t0));
-    for (int j = 0; j < kt; ++j) fast_qk_mk<E, 1>(w.qr, D, p.k.data, k_base + (t0 + j) * ks, s_cur + j);
+    i64 t0 = Bp::template first_tile<Rule>(blk);
+    int kt = static_cast<int>(tile_end<Rule>(blk, t0) - t0);
+    for (int j = 0; j < kt; ++j) fast_qk_mk<E, 1, Rule>(w.qr, D, p.k.data, k_base + (t0 + j) * ks, s_cur + j);
     while (kt > 0) {
-      const i64 t1 = t0 + kt;
-      const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
+      const i64 t1 = after<Rule>(blk, t0 + kt);  // the next tile
+      const int ktn = static_cast<int>(tile_end<Rule>(blk, t1) - t1);
       const bool partial = fast_softmax(w, 1, s_cur, t0, kt, rule);
       const int steps = std::max(kt, ktn);
       for (int j = 0; j < steps; j += kFastStep) {
         for (int jj = j; jj < std::min(j + kFastStep, ktn); ++jj)
-          fast_qk_mk<E, 1>(w.qr, D, p.k.data, k_base + (t1 + jj) * ks, s_nxt + jj);
+          fast_qk_mk<E, 1, Rule>(w.qr, D, p.k.data, k_base + (t1 + jj) * ks, s_nxt + jj);
         if (j < kt) {
           const int cnt = std::min(kFastStep, kt - j);
           const float* alpha = j == 0 ? w.alpha : kOne;
           const i64 voff = v_base + (t0 + j) * vs;
-          if (partial) fast_pv_rows<E, 1, true>(s_cur + j, p.v.data, voff, vs, cnt, w.o, Dvp, alpha, nvec, none);
-          else fast_pv_rows<E, 1, false>(s_cur + j, p.v.data, voff, vs, cnt, w.o, Dvp, alpha, nvec, none);
+          if (partial) fast_pv_rows<E, 1, true, Rule>(s_cur + j, p.v.data, voff, vs, cnt, w.o, Dvp, alpha, nvec, none);
+          else fast_pv_rows<E, 1, false, Rule>(s_cur + j, p.v.data, voff, vs, cnt, w.o, Dvp, alpha, nvec, none);
         }
       }
       std::swap(s_cur, s_nxt);
@@ -316,7 +354,7 @@ struct DecodeFast {
   // this one, so the two streams advance together at the finest grain and no output row goes
   // through memory between steps. The same operations in the same order as
   // process_fast_stream, so the same result bit for bit.
-  template <Elt E, int N, bool SKIP>
+  template <Elt E, int N, bool SKIP, class R>
   static void stream_keys(const V* q, V* acc, const float* sc, int kt, const void* v, i64 voff, i64 vs,
                           float* sn, int ktn, const void* k, i64 koff, i64 ks) {
     const int steps = std::max(kt, ktn);
@@ -345,7 +383,7 @@ struct DecodeFast {
     }
   }
 
-  template <Elt E, int N>
+  template <Elt E, class Rule, int N>
   static void process_fast_stream_regs(const Problem& p, const Block& blk, const Ws& w) {
     const Rule rule(p);
     Sm::begin(w.m, w.l, 1);
@@ -359,19 +397,19 @@ struct DecodeFast {
       const i64 ks = p.k.ss, vs = p.v.ss;
       float* s_cur = w.s;
       float* s_nxt = w.s + BK;
-      i64 t0 = blk.ka;
-      int kt = static_cast<int>(std::min<i64>(BK, blk.kb - t0));
-      stream_keys<E, N, false>(q, acc, s_cur, 0, p.v.data, 0, vs, s_cur, kt, p.k.data, k_base + t0 * ks, ks);
+      i64 t0 = Bp::template first_tile<Rule>(blk);
+      int kt = static_cast<int>(tile_end<Rule>(blk, t0) - t0);
+      stream_keys<E, N, false, Rule>(q, acc, s_cur, 0, p.v.data, 0, vs, s_cur, kt, p.k.data, k_base + t0 * ks, ks);
       while (kt > 0) {
-        const i64 t1 = t0 + kt;
-        const int ktn = static_cast<int>(std::min<i64>(BK, blk.kb - t1));
+        const i64 t1 = after<Rule>(blk, t0 + kt);  // the next tile
+        const int ktn = static_cast<int>(tile_end<Rule>(blk, t1) - t1);
         const bool partial = fast_softmax(w, 1, s_cur, t0, kt, rule);
         const V a = Ops::set1(w.alpha[0]);
         for (int c = 0; c < N; ++c) acc[c] = Ops::mul(acc[c], a);
         if (partial)
-          stream_keys<E, N, true>(q, acc, s_cur, kt, p.v.data, v_base + t0 * vs, vs, s_nxt, ktn, p.k.data, k_base + t1 * ks, ks);
+          stream_keys<E, N, true, Rule>(q, acc, s_cur, kt, p.v.data, v_base + t0 * vs, vs, s_nxt, ktn, p.k.data, k_base + t1 * ks, ks);
         else
-          stream_keys<E, N, false>(q, acc, s_cur, kt, p.v.data, v_base + t0 * vs, vs, s_nxt, ktn, p.k.data, k_base + t1 * ks, ks);
+          stream_keys<E, N, false, Rule>(q, acc, s_cur, kt, p.v.data, v_base + t0 * vs, vs, s_nxt, ktn, p.k.data, k_base + t1 * ks, ks);
         std::swap(s_cur, s_nxt);
         t0 = t1;
         kt = ktn;
@@ -382,17 +420,18 @@ struct DecodeFast {
 
   // Rows of `blk` (w.rows, at most kFastRows) against keys [blk.ka, blk.kb): leaves the
   // unnormalised O, m and l in `w`, as BlockProcessor::process does.
-  template <Elt E>
+  template <Elt E, class Rule>
   static void process_fast(const Problem& p, const Block& blk, const Ws& w) {
+    static_assert(!Rule::kHasMask && !Rule::kHasSoftcap, "decode_fast_ok");
     if (blk.n == 1) {
       // q and the output row in registers when they fit: D = Dv = N vectors, N <= kStreamRegs.
       const auto in_regs = [&]<int N>() __attribute__((always_inline)) {
-        process_fast_stream_regs<E, N>(p, blk, w);
+        process_fast_stream_regs<E, Rule, N>(p, blk, w);
       };
       if (p.D == p.Dv && with_int<1, kStreamRegs>(p.D / W, in_regs)) return;
-      return process_fast_stream<E>(p, blk, w);
+      return process_fast_stream<E, Rule>(p, blk, w);
     }
-    process_fast_tiles<E>(p, blk, w);
+    process_fast_tiles<E, Rule>(p, blk, w);
   }
 };
 

@@ -21,7 +21,7 @@
 //   lse_merge.hpp     the log-sum-exp merge of split partials (decode, serving, dist)
 //   microkernels.hpp  S = Q K^T and O = alpha O + P V on one tile, fp32 conversions
 //   block.hpp         one query block against its key tiles: online softmax, masks, the end
-//   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap)
+//   decode_fast.hpp   the decode fast path (a few rows, no mask or softcap; ALiBi, keep-first)
 //   forward_schedule.hpp flash and decode over the whole problem, threads, the log-sum-exp merge
 //   backward_tiles.hpp  the backward's workspace, packed query blocks and key tiles (fp32, bf16)
 //   backward.hpp      the FlashAttention-2 backward (Algorithm 2) over the whole problem
@@ -53,8 +53,8 @@ struct Engine {
   static const Problem& problem_of(const Problem& p) { return p; }
   static const Problem& problem_of(const BackwardProblem& bp) { return bp.fwd; }
 
-  // kPositions: whether the kernel takes the position terms (ALiBi, keep-first): the tiled
-  // forward and the backward do, decode's gate refuses them.
+  // kPositions: whether the kernel takes the position terms (ALiBi, keep-first): all of them do
+  // (the parameter stays for a kernel that would not).
   template <template <Elt, bool, class> class Fn, bool kPositions, class Call>
   static void dispatch(const Call& call, char* ws, int threads, bool bf16_dot) {
     const Problem& p = problem_of(call);
@@ -101,7 +101,7 @@ struct Engine {
   static std::size_t decode_workspace(const Problem& p, int threads) { return Dr::decode_ws(p, threads); }
 
   static void decode_forward(const Problem& p, void* ws, int threads, bool bf16_dot) {
-    dispatch<DecodeFn, false>(p, static_cast<char*>(ws), threads, bf16_dot);
+    dispatch<DecodeFn, true>(p, static_cast<char*>(ws), threads, bf16_dot);
   }
 
   // The backward (backward.hpp): the bf16 dot-product form when q, k, v, dO and O are all bf16.

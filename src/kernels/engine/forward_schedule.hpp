@@ -146,8 +146,9 @@ struct Drivers {
         Bp::block_range(w, n, lo, hi, blk.max_lo, blk.min_hi);
         blk.ka = std::max(lo, c * C);
         blk.kb = std::min(hi, (c + 1) * C);
-        if constexpr (Rule::kVector) {
-          if (fast) Fast::template process_fast<E>(p, blk, w);
+        if constexpr (Rule::kHasPosition) chunk_keep_first(w, blk, c * C, (c + 1) * C);
+        if constexpr (!Rule::kHasMask && !Rule::kHasSoftcap) {
+          if (fast) Fast::template process_fast<E, Rule>(p, blk, w);
           else Bp::template process<E, DP, Rule>(p, blk, w);
         } else {
           Bp::template process<E, DP, Rule>(p, blk, w);
@@ -162,6 +163,28 @@ struct Drivers {
       // Merge the chunk partials of each row in chunk order (independent of the schedule).
       team.fixed(p.B * p.Hkv * R, [&](i64 x) { merge_partials_lse(p, parts, NC, R, Dvp, G, x, w); });
     });
+  }
+
+  // Keep-first in chunk [cs, ce): the rows' first keys [0, max first_hi) that lie in the chunk
+  // joined to its keys [ka, kb). In the first chunk they are keys [0, first_kb), a leading range
+  // of their own while a gap separates them (Block::first_kb, as BlockProcessor::keep_first); in
+  // a later one (keep_first longer than a chunk) the block's range runs from the chunk's start,
+  // the keys between excluded by the rule. Either way by key positions alone: the same for any
+  // thread count.
+  static void chunk_keep_first(const Ws& w, Block& blk, i64 cs, i64 ce) {
+    i64 first = 0;
+    for (int r = 0; r < blk.n; ++r) first = std::max(first, w.rows[r].pos.first_hi);
+    first = std::min(first, ce);
+    if (first <= cs) return;
+    if (blk.ka >= blk.kb) {
+      blk.ka = cs;
+      blk.kb = first;
+    } else if (first >= blk.ka || cs > 0) {
+      blk.ka = cs;
+      blk.kb = std::max(blk.kb, first);
+    } else {
+      blk.first_kb = first;
+    }
   }
 
   // Row x = (b Hkv + hk) R + rr of the decode rows: its NC chunk partials (O_c, m_c, l_c) in

@@ -27,6 +27,7 @@
 #include <limits>
 
 #include "core/problem.hpp"
+#include "core/varlen_problem.hpp"
 #include "kernels/engine/isa_ops.hpp"
 #include "kernels/engine/workspace.hpp"
 
@@ -85,6 +86,18 @@ struct ScoreRule {
     key_ranges(p, b, i, lo, hi, ps.first_hi);
     ps.diag = p.diag(b, i);
     ps.slope = p.alibi.empty() ? 0.0f : static_cast<float>(p.slope(b, h));
+    return ps;
+  }
+
+  // ---- per row of a packed or paged batch (the serving item) ---------------------------------
+  /// position() for query t of sequence b, head h, of a packed or paged call: the diagonal and
+  /// keep-first's bound by the sequence's own query and key lengths (VarlenProblem), the slope
+  /// by its row of [batch, Hq] slopes.
+  [[gnu::always_inline]] static Position position(const VarlenProblem& vp, i64 b, i64 h, i64 t) {
+    Position ps;
+    ps.first_hi = vp.first_hi(b, t);
+    ps.diag = vp.diag(b, t);
+    ps.slope = vp.p.alibi.empty() ? 0.0f : static_cast<float>(vp.p.slope(b, h));
     return ps;
   }
 

@@ -4,7 +4,10 @@
 // heads of one KV head, against the keys of one split [c P, (c + 1) P), P = kServingSplit.
 //
 // For each row the item writes the split's partial: m = max_j s_j, l = sum_j e^(s_j - m) and the
-// unnormalised O = sum_j e^(s_j - m) v_j over the row's admitted keys of the split, in fp32.
+// unnormalised O = sum_j e^(s_j - m) v_j over the row's admitted keys of the split, in fp32: its
+// window's [lo, hi), and with window_keep_first the first keys [s0, fhi) of the split, before
+// them, with the keys between excluded (score_rule.hpp: the rule's position terms, their bias
+// too).
 // Batch invariance rests on every number of a row depending only on its query, its key range and
 // the keys' values, never on the item's other rows or on where a key is stored:
 //   - s_j = q . k_j: W partial sums along D (fused multiply-adds, d ascending), reduced by
@@ -14,7 +17,8 @@
 //   - the softmax visits the row's keys in groups of W aligned at absolute key positions, so key
 //     j always sits in lane j mod W; keys outside the row's range are -inf (a select, so a NaN
 //     stored there never enters) and add exact zeros to the lane sums;
-//   - O accumulates p_j v_j over exactly the row's keys, ascending, one fused multiply-add each.
+//   - O accumulates p_j v_j over exactly the row's keys, ascending, one fused multiply-add each
+//     (keep-first's keys first, in a pass of their own: the gap's keys are never read there).
 // Where the row is whole vectors and the item has at most 8 rows per KV head (decode), keys and
 // values are read in place and converted in registers (fp16 and bf16 widened; q8_0: one fp32
 // product per element, tensor/kv_codec.hpp; int8 and fp8: their codes as fp32); otherwise each
@@ -76,6 +80,12 @@ struct ServingItemBody : ServingRows<Ops> {
     i64* lo = reinterpret_cast<i64*>(carve(L.rows * 8));
     i64* hi = reinterpret_cast<i64*>(carve(L.rows * 8));
     float** orow = reinterpret_cast<float**>(carve(L.rows * 8));  // each row's partial, found once
+    // The position terms (score_rule.hpp) of each row, and keep-first's keys of the split,
+    // [flo, fhi) = [s0, fhi) (empty: fhi <= s0), disjoint from [lo, hi) and below it.
+    const bool pos = has_position(p);
+    auto* ps = reinterpret_cast<Position*>(carve(pos ? L.rows * static_cast<i64>(sizeof(Position)) : 0));
+    i64* flo = reinterpret_cast<i64*>(carve(pos ? L.rows * 8 : 0));
+    i64* fhi = reinterpret_cast<i64*>(carve(pos ? L.rows * 8 : 0));
     const float neg_inf = -std::numeric_limits<float>::infinity();
     std::memset(zero, 0, static_cast<std::size_t>(std::max(Dp, Dvp)) * 4);
     auto head_of = [&](i64 r) { return it.hk + r / Rh; };
@@ -86,13 +96,19 @@ struct ServingItemBody : ServingRows<Ops> {
 
     // The rows' key ranges within the split, and their queries in fp32 (zero past D).
     const i64 s0 = c * P, s1 = s0 + P;
-    i64 a = s1, e = s0;
+    i64 a = s1, e = s0, fe = s0;  // fe: the end of the rows' keep-first keys in the split
     for (i64 r = 0; r < R; ++r) {
       const i64 rr = r % Rh, t = it.t0 + rr / G, h = head_of(r) * G + rr % G, tok = vp.cu_q[b] + t;
       vp.key_range(b, t, lo[r], hi[r]);
       lo[r] = std::max(lo[r], s0);
       hi[r] = std::min(hi[r], s1);
       if (lo[r] < hi[r]) { a = std::min(a, lo[r]); e = std::max(e, hi[r]); }
+      if (pos) {
+        ps[r] = ScoreRule<>::position(vp, b, h, t);
+        flo[r] = s0;
+        fhi[r] = std::min({ps[r].first_hi, s1, lo[r]});
+        if (fhi[r] > s0) { a = s0; e = std::max(e, fhi[r]); fe = std::max(fe, fhi[r]); }
+      }
       stage_row(p.q, KVCodec{}, h * p.q.sh + tok * p.q.ss, 0, D, Dp, qf + r * Dp);
       if (kdp) qrow[r] = static_cast<const std::uint16_t*>(p.q.data) + h * p.q.sh + tok * p.q.ss;
       float* part = orow[r] = part_of(r);
@@ -257,32 +273,47 @@ struct ServingItemBody : ServingRows<Ops> {
         }
     }
 
-    // Per row: the scores by the rule (score_rule.hpp: scale, softcap, the key range), max,
-    // exponentials, their sum.
+    // Per row: the scores by the rule (score_rule.hpp: scale, softcap, the key range; with position
+    // terms its scalar form, their bias and keep-first's keys too), max, exponentials, their sum.
     alignas(64) static constexpr float kIota[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     static_assert(W <= 16);
     const V iota = Ops::load(kIota);
-    with_score_rule<false>(p, [&]<class Rule>() {
+    with_score_rule<false, true>(p, [&]<class Rule>() {
       const Rule rule(p);
       for (i64 r = 0; r < R; ++r) {
-        if (lo[r] >= hi[r]) continue;
+        i64 rlo = lo[r], rhi = hi[r];  // the row's keys of the split: [lo, hi), keep-first's before
+        if constexpr (Rule::kHasPosition) {
+          if (fhi[r] > s0) {
+            rhi = rlo < rhi ? rhi : fhi[r];
+            rlo = s0;
+          }
+        }
+        if (rlo >= rhi) continue;
         float* sr = s + r * SP - s0;
-        const i64 ga = lo[r] / W * W;
-        const V vlo = Ops::set1(static_cast<float>(lo[r] - s0)), vhi = Ops::set1(static_cast<float>(hi[r] - s0));
-        if constexpr (Rule::kHasSoftcap)
-          for (i64 j = lo[r]; j < hi[r]; ++j) sr[j] = rule.scaled(sr[j]);
+        const i64 ga = rlo / W * W;
         V vm = Ops::set1(neg_inf);
-        for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
-          const V x = rule.template vec<Ops>(Ops::load(sr + j0), vlo, vhi,
-                                             Ops::add(Ops::set1(static_cast<float>(j0 - s0)), iota));
-          Ops::store(sr + j0, x);
-          vm = Ops::max(vm, x);
+        if constexpr (Rule::kHasPosition) {
+          // Whole groups of W, each key admitted or -inf by the rule (lo, hi: clipped to the
+          // split, which admits the same keys of it).
+          const i64 gb = (rhi + Base::W - 1) / Base::W * Base::W;
+          for (i64 j = ga; j < gb; ++j) sr[j] = rule.score(sr[j], j, lo[r], hi[r], 0, ps[r]);
+          for (i64 j0 = ga; j0 < rhi; j0 += Base::W) vm = Ops::max(vm, Ops::load(sr + j0));
+        } else {
+          const V vlo = Ops::set1(static_cast<float>(lo[r] - s0)), vhi = Ops::set1(static_cast<float>(hi[r] - s0));
+          if constexpr (Rule::kHasSoftcap)
+            for (i64 j = lo[r]; j < hi[r]; ++j) sr[j] = rule.scaled(sr[j]);
+          for (i64 j0 = ga; j0 < hi[r]; j0 += Base::W) {
+            const V x = rule.template vec<Ops>(Ops::load(sr + j0), vlo, vhi,
+                                               Ops::add(Ops::set1(static_cast<float>(j0 - s0)), iota));
+            Ops::store(sr + j0, x);
+            vm = Ops::max(vm, x);
+          }
         }
         // The split is the first tile of the row's online softmax (online_softmax.hpp): l = sum.
         const float ms = OnlineSoftmax<Ops>::shift_of(OnlineSoftmax<Ops>::row_max(vm));  // -inf: every weight 0
         const V vms = Ops::set1(ms);
         V vl = Ops::zero();
-        for (i64 j0 = ga; j0 < hi[r]; j0 += W) {
+        for (i64 j0 = ga; j0 < rhi; j0 += W) {
           const V pj = Ops::exp(Ops::sub(Ops::load(sr + j0), vms));
           Ops::store(sr + j0, pj);
           vl = Ops::add(vl, pj);
@@ -302,46 +333,51 @@ struct ServingItemBody : ServingRows<Ops> {
         const char* ahead[W];
         const char* const* pfv = spread_ahead(p.v, vp.vc, vs, Dv, it.hk + x, j0, ahead);
         group_rows(p.v, vp.vc, vs, Dv, Dvp, vst, it.hk + x, j0, in_place);
-        // Rows with the same keys in this group (a token's query heads) share each value read.
-        for (i64 r = x * Rh; r < (x + 1) * Rh;) {
-          const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
-          int nr = 1;
-          while (nr < max_nr && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
-          nr = nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
-          if (ja < jb) {
-            const float* pr[8];
-            float* o[8];
-            for (int y = 0; y < nr; ++y) {
-              pr[y] = s + (r + y) * SP + (ja - s0);
-              o[y] = orow[r + y];
-            }
-            const RowRef* vr = rows + (ja - j0);
-            const char* const* pfa = pfv ? pfv + (ja - j0) : nullptr;
-            if constexpr (kSplitPv) {
-              if (split) {
-                for (i64 c = 0; c < nv; c += 2) {
-                  if (nr == 8) Base::template group_pv_split<8>(pr, jb - ja, vr, c * W, o, pfa);
-                  else if (nr == 4) Base::template group_pv_split<4>(pr, jb - ja, vr, c * W, o, pfa);
-                  else if (nr == 2) Base::template group_pv_split<2>(pr, jb - ja, vr, c * W, o, pfa);
-                  else Base::template group_pv_split<1>(pr, jb - ja, vr, c * W, o, pfa);
-                }
-                r += nr;
-                continue;
+        // Rows with the same keys in this group (a token's query heads) share each value read:
+        // the rows' keys [lo, hi) of the group, keep-first's [flo, fhi) before them.
+        const auto pv_keys = [&](const i64* lo, const i64* hi) __attribute__((always_inline)) {
+          for (i64 r = x * Rh; r < (x + 1) * Rh;) {
+            const i64 ja = std::max(j0, lo[r]), jb = std::min(j0 + W, hi[r]);
+            int nr = 1;
+            while (nr < max_nr && r + nr < (x + 1) * Rh && lo[r + nr] == lo[r] && hi[r + nr] == hi[r]) ++nr;
+            nr = nr >= 8 ? 8 : nr >= 4 ? 4 : nr >= 2 ? 2 : 1;
+            if (ja < jb) {
+              const float* pr[8];
+              float* o[8];
+              for (int y = 0; y < nr; ++y) {
+                pr[y] = s + (r + y) * SP + (ja - s0);
+                o[y] = orow[r + y];
               }
+              const RowRef* vr = rows + (ja - j0);
+              const char* const* pfa = pfv ? pfv + (ja - j0) : nullptr;
+              if constexpr (kSplitPv) {
+                if (split) {
+                  for (i64 c = 0; c < nv; c += 2) {
+                    if (nr == 8) Base::template group_pv_split<8>(pr, jb - ja, vr, c * W, o, pfa);
+                    else if (nr == 4) Base::template group_pv_split<4>(pr, jb - ja, vr, c * W, o, pfa);
+                    else if (nr == 2) Base::template group_pv_split<2>(pr, jb - ja, vr, c * W, o, pfa);
+                    else Base::template group_pv_split<1>(pr, jb - ja, vr, c * W, o, pfa);
+                  }
+                  r += nr;
+                  continue;
+                }
+              }
+              with_src(vread, [&]<Src S>() {
+                if (nr == 4) Base::template pv_rows<S, 4>(pr, jb - ja, vr, nv, o, pfa);
+                else if (nr == 2) Base::template pv_rows<S, 2>(pr, jb - ja, vr, nv, o, pfa);
+                else Base::template pv_rows<S, 1>(pr, jb - ja, vr, nv, o, pfa);
+              });
             }
-            with_src(vread, [&]<Src S>() {
-              if (nr == 4) Base::template pv_rows<S, 4>(pr, jb - ja, vr, nv, o, pfa);
-              else if (nr == 2) Base::template pv_rows<S, 2>(pr, jb - ja, vr, nv, o, pfa);
-              else Base::template pv_rows<S, 1>(pr, jb - ja, vr, nv, o, pfa);
-            });
+            r += nr;
           }
-          r += nr;
-        }
+        };
+        if (j0 < fe) pv_keys(flo, fhi);
+        pv_keys(lo, hi);
       }
     if constexpr (kSplitPv) {
       if (split)
         for (i64 r = 0; r < R; ++r)
-          if (lo[r] < hi[r])
+          if (lo[r] < hi[r] || (pos && fhi[r] > s0))
             for (i64 c = 0; c < nv; c += 2) Ops::unsplit_bf16_order(orow[r] + c * W);
     }
   }
