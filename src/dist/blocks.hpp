@@ -20,6 +20,8 @@ struct Global {
   AttentionParams params;            // the caller's; kv_lens read into `lens`
   std::int64_t L = -1, R = -1;       // effective window, clamped to Sq + Sk + 1
   std::vector<std::int64_t> lens;    // key lengths per batch (empty: Sk)
+  std::int64_t keep = 0;             // window_keep_first
+  std::vector<float> sinks;          // sink logits z_h [Hq] (empty: none)
   Global(std::int64_t sq, std::int64_t sk, const AttentionParams& p, std::int64_t batch);
   std::int64_t key_len(std::int64_t b) const { return lens.empty() ? Sk : lens[static_cast<std::size_t>(b)]; }
 };
@@ -58,6 +60,23 @@ void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& 
 void backward_step(const Global& g, const Packed& q, const Packed& out, const Packed& lse, const Packed& dout,
                    const std::vector<Segment>& q_segs, const KVBlock& kv, std::int64_t tile_rows, float* dq,
                    float* dk, float* dv, const std::function<void()>& between, std::int64_t* pairs = nullptr);
+
+/// Joins each row's sink z_h to the merged accumulators, once: one more partial of lse z_h and
+/// value 0 (a row no block admitted gets O = 0, lse = z_h). Nothing without sinks.
+void join_sinks(const Global& g, FwdAcc& acc);
+
+/// The sink's term of each row of packed out [B,Hq,n,Dv], lse [B,Hq,n,1] (fp32) and dout:
+/// e^{z_h - lse} D with D = rowsum(dO * O) in float64 (0 where D = 0), [B,Hq,n] in that order.
+std::vector<double> sink_terms(const Global& g, const Packed& out, const Packed& lse, const Packed& dout);
+
+/// dz_h = - sum of the terms [B,Hq,Sq] of the GLOBAL rows, in float64 in the order b, i (that of
+/// the single-process backward, so the bits depend on neither the ranks nor the placement),
+/// written to grad_sinks (float32 [Hq]).
+void write_sink_gradient(const std::vector<double>& terms, std::int64_t B, std::int64_t Hq, std::int64_t Sq,
+                         const TensorView& grad_sinks);
+
+/// Throws qkv::Error unless grad_sinks fits params (params.sinks given; float32 [Hq], contiguous).
+void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, std::int64_t Hq);
 
 /// Writes the accumulators to out (its dtype, rounded once) and softmax_lse (float32 view).
 void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<TensorView>& lse);
