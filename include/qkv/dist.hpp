@@ -125,8 +125,8 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
 /// for given out, softmax_lse and grad_out the bits depend on neither the number of ranks nor
 /// the placement, and equal those of qkv::attention_backward's grad_sinks on the same tensors.
 /// The gather (8 B Hq seqlen_q bytes in all) comes after the ring steps; RingStats leaves it out.
-/// @throws qkv::Error as above, and for grad_sinks without params.sinks, not float32 [Hq] or not
-///   contiguous (on every rank).
+/// @throws qkv::Error as above, and for grad_sinks without params.sinks, not float32 [Hq], not
+///   contiguous or overlapping another operand (on every rank), as attention_backward does.
 void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
                              const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
                              const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,

@@ -324,16 +324,12 @@ void write_sink_gradient(const std::vector<double>& terms, i64 B, i64 Hq, i64 Sq
   }
 }
 
-void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, i64 Hq) {
-  if (!params.sinks)
-    throw Error("grad_sinks: expected params.sinks (the sink logits whose gradient it is), got none");
-  if (grad_sinks.rank() != 1 || grad_sinks.size(0) != Hq)
-    throw Error("grad_sinks: expected shape [Hq] = " + shape_str({Hq}) + ", got " + shape_str(grad_sinks.shape()));
-  if (grad_sinks.dtype() != DType::f32)
-    throw Error("grad_sinks: expected dtype float32, got " + std::string(dtype_name(grad_sinks.dtype())));
-  if (Hq > 1 && grad_sinks.stride(0) != 1)
-    throw Error("grad_sinks: expected a contiguous tensor (stride 1), got stride " + std::to_string(grad_sinks.stride(0)));
-  if (Hq > 0 && grad_sinks.data() == nullptr) throw Error("grad_sinks: expected data, got a null pointer");
+void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, i64 Hq,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others) {
+  // The single-process backward's checks and messages (only the result of the lowering is unused).
+  qkv::detail::BackwardProblem bp;
+  bp.fwd.Hq = Hq;
+  qkv::detail::lower_grad_sinks(bp, grad_sinks, params, others);
 }
 
 void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<TensorView>& lse) {

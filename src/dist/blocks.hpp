@@ -6,6 +6,8 @@
 // exactly these functions in the same order, so their results are bitwise equal.
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "qkv/attention.hpp"
@@ -75,8 +77,10 @@ std::vector<double> sink_terms(const Global& g, const Packed& out, const Packed&
 void write_sink_gradient(const std::vector<double>& terms, std::int64_t B, std::int64_t Hq, std::int64_t Sq,
                          const TensorView& grad_sinks);
 
-/// Throws qkv::Error unless grad_sinks fits params (params.sinks given; float32 [Hq], contiguous).
-void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, std::int64_t Hq);
+/// Throws qkv::Error unless grad_sinks fits params as qkv::attention_backward's does (params.sinks
+/// given; float32 [Hq], contiguous; no byte shared with `others` or the options' tensors).
+void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, std::int64_t Hq,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others);
 
 /// Writes the accumulators to out (its dtype, rounded once) and softmax_lse (float32 view).
 void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<TensorView>& lse);

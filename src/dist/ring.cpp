@@ -261,7 +261,10 @@ void ring_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, cons
       check_out(grad_q, "grad_q", q.shape(), false);
       check_out(grad_k, "grad_k", k.shape(), false);
       check_out(grad_v, "grad_v", v.shape(), false);
-      if (grad_sinks) detail::check_grad_sinks(*grad_sinks, params, q.size(1));
+      if (grad_sinks)
+        detail::check_grad_sinks(*grad_sinks, params, q.size(1),
+                                 {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                                  {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
     } catch (const Error& e) {
       err = e.what();
     }
@@ -461,7 +464,10 @@ void simulate_backward(int ranks, const TensorView& q, const TensorView& k, cons
   check_out(grad_q, "grad_q", q.shape(), false);
   check_out(grad_k, "grad_k", k.shape(), false);
   check_out(grad_v, "grad_v", v.shape(), false);
-  if (grad_sinks) detail::check_grad_sinks(*grad_sinks, params, q.size(1));
+  if (grad_sinks)
+    detail::check_grad_sinks(*grad_sinks, params, q.size(1),
+                             {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                              {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
   const Layout L = layout(ranks, 0, q, v, k.size(1), Sq, Sk, pl);
   const Global g(Sq, Sk, params, L.B);
   std::vector<Tensor> qp, op, lp, dop, kvb, dq, dacc;
