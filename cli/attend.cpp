@@ -71,11 +71,8 @@ struct Writer {
   }
 };
 
-// --sinks and --alibi-slopes read into `files` (kept alive for the call) and set in p, with
-// --keep-first; the library checks their dtype, shape and values.
-struct ScoreFiles {
-  NpyArray sinks, slopes;
-};
+}  // namespace
+
 void read_score_options(const AttendOptions& o, AttentionParams& p, ScoreFiles& files) {
   if (!o.sinks.empty()) {
     try { files.sinks = read_npy(o.sinks); } catch (const Error& e) { throw Error(std::string("--sinks: ") + e.what()); }
@@ -87,6 +84,8 @@ void read_score_options(const AttendOptions& o, AttentionParams& p, ScoreFiles& 
   }
   p.window_keep_first = o.keep_first;
 }
+
+namespace {
 
 // Packed sequences: q [total_q,Hq,D], k and v [total_k,Hkv,X], cu_seqlens int32 [batch + 1].
 void run_attend_varlen(const AttendOptions& o, const AttentionParams& p, bool want_grads) {
@@ -159,12 +158,6 @@ void run_attend(const AttendOptions& o) {
         throw Error(std::string(outs[b].first) + ": expected a path different from " + outs[a].first + ", got '" +
                     *outs[b].second + "' for both");
   if (o.distributed || o.simulate_ranks > 0) {
-    const std::pair<const char*, bool> refused[] = {
-        {"--sinks", !o.sinks.empty()}, {"--alibi-slopes", !o.alibi_slopes.empty()}, {"--keep-first", o.keep_first != 0}};
-    for (const auto& [flag, given] : refused)
-      if (given)
-        throw Error(std::string(flag) + ": not available with --distributed or --simulate-ranks (qkv::dist does not take " +
-                    "sinks, alibi_slopes or window_keep_first yet)");
     if (o.explain)
       throw Error("--explain: not available with --distributed or --simulate-ranks (each rank dispatches its own blocks)");
     return run_attend_distributed(o);

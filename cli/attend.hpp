@@ -5,6 +5,7 @@
 #include <optional>
 #include <string>
 
+#include "qkv/attention.hpp"
 #include "qkv/npy.hpp"
 
 namespace qkv::cli {
@@ -27,6 +28,13 @@ struct AttendOptions {
   std::string placement = "auto", progress = "poll";
   std::int64_t tile_rows = 64;
 };
+
+/// --sinks and --alibi-slopes read into `files` (kept alive for the call) and set in p, with
+/// --keep-first; the library checks their dtype, shape and values.
+struct ScoreFiles {
+  NpyArray sinks, slopes;
+};
+void read_score_options(const AttendOptions& o, AttentionParams& p, ScoreFiles& files);
 
 /// Reads a 4-D .npy input; errors name the flag.
 NpyArray read_input(const std::string& flag, const std::string& path);

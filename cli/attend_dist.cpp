@@ -55,6 +55,7 @@ struct MpiSession {
 
 struct Inputs {
   NpyArray qa, ka, va, mask, lens, dout;
+  ScoreFiles score;
   TensorView q, k, v, grad_out;
   AttentionParams p;
   bool grads = false, bshd = false;
@@ -67,11 +68,13 @@ Inputs load(const AttendOptions& o) {
     throw Error("--threads: expected an integer >= 0 (0 = all cores), got " + std::to_string(o.threads));
   if (!o.probs.empty()) throw Error("--probs: not available with --distributed (no rank holds whole rows of keys)");
   if (o.tile_rows < 1) throw Error("--tile-rows: expected an integer >= 1, got " + std::to_string(o.tile_rows));
-  in.grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty();
+  in.grads = !o.grad_q.empty() || !o.grad_k.empty() || !o.grad_v.empty() || !o.grad_sinks.empty();
   if (in.grads && o.grad_out.empty())
-    throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v, got none");
+    throw Error("--grad-out: expected dO (.npy, the shape of out) to compute --grad-q/--grad-k/--grad-v/--grad-sinks, got none");
   if (!o.grad_out.empty() && !in.grads)
-    throw Error("--grad-out: expected at least one of --grad-q, --grad-k, --grad-v to write, got none");
+    throw Error("--grad-out: expected at least one of --grad-q, --grad-k, --grad-v, --grad-sinks to write, got none");
+  if (!o.grad_sinks.empty() && o.sinks.empty())
+    throw Error("--grad-sinks: expected --sinks (the sink logits whose gradient it is), got none");
   if (in.grads && o.decode) throw Error("--decode: the gradients are computed by the ring (--distributed without --decode)");
   in.bshd = o.layout == "bshd";
   in.qa = read_input("--q", o.q);
@@ -91,6 +94,7 @@ Inputs load(const AttendOptions& o) {
     try { in.lens = read_npy(o.kv_lens); } catch (const Error& e) { throw Error(std::string("--kv-lens: ") + e.what()); }
     in.p.kv_lens = in.lens.view();
   }
+  read_score_options(o, in.p, in.score);
   if (in.grads) {
     in.dout = read_input("--grad-out", o.grad_out);
     in.grad_out = in.to_bhsd(in.dout.view());
@@ -110,7 +114,7 @@ dist::RingOptions ring_options(const AttendOptions& o) {
 
 // The results on rank 0, in the files' layout (float32): out, lse, and the gradients.
 struct Results {
-  Tensor out, lse, dq, dk, dv;
+  Tensor out, lse, dq, dk, dv, dz;
 };
 
 Shape file_shape(const Inputs& in, const TensorView& like_bhsd, i64 X) {
@@ -136,6 +140,7 @@ void write_results(const AttendOptions& o, const Inputs& in, const Results& r) {
     if (!o.grad_q.empty()) write(o.grad_q, r.dq.view());
     if (!o.grad_k.empty()) write(o.grad_k, r.dk.view());
     if (!o.grad_v.empty()) write(o.grad_v, r.dv.view());
+    if (!o.grad_sinks.empty()) write(o.grad_sinks, r.dz.view());
   }
 }
 
@@ -148,6 +153,7 @@ Results allocate(const Inputs& in) {
     r.dq = Tensor(DType::f32, file_shape(in, in.q, in.q.size(3)));
     r.dk = Tensor(DType::f32, file_shape(in, in.k, in.k.size(3)));
     r.dv = Tensor(DType::f32, file_shape(in, in.v, in.v.size(3)));
+    r.dz = Tensor(DType::f32, {Hq});
   }
   return r;
 }
@@ -161,7 +167,11 @@ void run_simulated(const AttendOptions& o) {
     dist::simulate_decode_attention(o.simulate_ranks, in.q, in.k, in.v, in.to_bhsd(r.out.view()), in.p, r.lse.view());
   } else {
     dist::simulate_ring_attention(o.simulate_ranks, in.q, in.k, in.v, in.to_bhsd(r.out.view()), r.lse.view(), in.p, ro);
-    if (in.grads)
+    if (in.grads && !o.grad_sinks.empty())
+      dist::simulate_ring_attention_backward(o.simulate_ranks, in.q, in.k, in.v, in.to_bhsd(r.out.view()), r.lse.view(),
+                                             in.grad_out, in.to_bhsd(r.dq.view()), in.to_bhsd(r.dk.view()),
+                                             in.to_bhsd(r.dv.view()), r.dz.view(), in.p, ro);
+    else if (in.grads)
       dist::simulate_ring_attention_backward(o.simulate_ranks, in.q, in.k, in.v, in.to_bhsd(r.out.view()), r.lse.view(),
                                              in.grad_out, in.to_bhsd(r.dq.view()), in.to_bhsd(r.dk.view()),
                                              in.to_bhsd(r.dv.view()), in.p, ro);
@@ -237,7 +247,7 @@ void run_mpi(const AttendOptions& o) {
                  vl = dist::detail::gather(in.v, mk);
     const i64 nq = ql.shape()[2];
     Tensor out_l(DType::f32, {B, Hq, nq, in.v.size(3)}), lse_l(DType::f32, {B, Hq, nq});
-    Tensor dq_l, dk_l, dv_l;
+    Tensor dq_l, dk_l, dv_l, dz(DType::f32, {Hq});
     std::vector<double> walls, busy, wait;
     std::vector<i64> bytes;
     const int runs = std::max(1, o.bench);
@@ -254,7 +264,10 @@ void run_mpi(const AttendOptions& o) {
           dq_l = Tensor(DType::f32, ql.shape());
           dk_l = Tensor(DType::f32, kl.shape());
           dv_l = Tensor(DType::f32, vl.shape());
-          dist::ring_attention_backward(comm, ql, kl, vl, out_l, lse_l, dol, dq_l, dk_l, dv_l, Sq, Sk, in.p, ro, &sb);
+          if (!o.grad_sinks.empty())
+            dist::ring_attention_backward(comm, ql, kl, vl, out_l, lse_l, dol, dq_l, dk_l, dv_l, dz, Sq, Sk, in.p, ro, &sb);
+          else
+            dist::ring_attention_backward(comm, ql, kl, vl, out_l, lse_l, dol, dq_l, dk_l, dv_l, Sq, Sk, in.p, ro, &sb);
         }
       }
       double wall = MPI_Wtime() - t0;
@@ -296,6 +309,7 @@ void run_mpi(const AttendOptions& o) {
         assemble(comm, dq_l, qsegs, rank == 0 ? &tq : nullptr);
         assemble(comm, dk_l, ksegs, rank == 0 ? &tk : nullptr);
         assemble(comm, dv_l, ksegs, rank == 0 ? &tv : nullptr);
+        if (rank == 0) std::memcpy(res.dz.data(), dz.data(), dz.nbytes());  // the same on every rank
       }
     }
     if (o.bench > 0) {

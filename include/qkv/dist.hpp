@@ -20,11 +20,17 @@
 /// AttentionParams apply to the GLOBAL sequence (seqlen_q x seqlen_k): causal in both
 /// alignments, window, softcap, scale, GQA; params.kv_lens holds the global key lengths [B];
 /// params.mask is the global mask, broadcastable to [B, Hq, seqlen_q, seqlen_k], present on
-/// every rank (each block reads its slice). Results are bitwise those of simulate_ring_attention
-/// (the same block schedule run in one process), for every number of threads.
-/// Not taken yet: params.sinks, params.alibi_slopes and params.window_keep_first (the merges know
-/// no sink term, bias or kept keys): every function here throws qkv::Error naming the option
-/// ("sinks: expected none (qkv::dist does not take attention sinks yet; ...)") on every rank.
+/// every rank (each block reads its slice). The score options too, each the same on every rank:
+///   sinks [Hq]: each row's sink joins its merged result once, after every block (one more
+///     partial of lse z_h and value 0), so softmax_lse includes it and a row no key admits gets
+///     O = 0, lse = z_h; the blocks run without it. Its gradient: the grad_sinks overloads.
+///   alibi_slopes [Hq] or [B, Hq]: every block's bias is that of the global positions,
+///     -slope |i + offset - j| with i, j global and offset the global diagonal's.
+///   window_keep_first N: global keys [0, N) are admitted to every query besides its window
+///     (below the right bound); every block holding such keys computes them.
+/// Results are bitwise those of simulate_ring_attention (the same block schedule run in one
+/// process), for every number of threads; against qkv::attention they differ by the rounding of
+/// the merges (docs/distributed.md).
 ///
 /// Requires MPI_Init (MPI_THREAD_FUNNELED suffices); every rank of `comm` calls collectively.
 
@@ -102,13 +108,31 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
 /// Ring attention backward: dQ of this rank's queries, dK and dV of this rank's keys. `out` and
 /// `softmax_lse` are this rank's rows of the forward's results; K, V travel around the ring with
 /// float32 accumulators of dK, dV, which return home after P steps. Each block runs
-/// qkv::attention_backward (which takes the global out and softmax_lse rows).
+/// qkv::attention_backward (which takes the global out and softmax_lse rows; with sinks, the
+/// lse that includes them, so P and D are the single-process backward's).
 /// grad_q, grad_k, grad_v: the local shapes of q, k, v; float32.
 void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
                              const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
                              const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
                              std::int64_t seqlen_q, std::int64_t seqlen_k, const AttentionParams& params = {},
                              const RingOptions& options = {}, RingStats* stats = nullptr);
+
+/// ring_attention_backward that also writes grad_sinks = dL/dz (float32 [Hq], contiguous; the
+/// same on every rank) for params.sinks:
+///   dz_h = - sum over b and the global rows i of e^{z_h - lse_i} D_i,  D_i = rowsum(dO_i * O_i).
+/// Each rank computes the float64 term of each of its rows; MPI_Allgatherv gives every rank all
+/// of them, summed in float64 in the order b, i of global rows (the single-process order). So
+/// for given out, softmax_lse and grad_out the bits depend on neither the number of ranks nor
+/// the placement, and equal those of qkv::attention_backward's grad_sinks on the same tensors.
+/// The gather (8 B Hq seqlen_q bytes in all) comes after the ring steps; RingStats leaves it out.
+/// @throws qkv::Error as above, and for grad_sinks without params.sinks, not float32 [Hq], not
+///   contiguous or overlapping another operand (on every rank), as attention_backward does.
+void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                             const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                             const TensorView& grad_sinks, std::int64_t seqlen_q, std::int64_t seqlen_k,
+                             const AttentionParams& params, const RingOptions& options = {},
+                             RingStats* stats = nullptr);
 
 /// The same schedules run in one process for `ranks` simulated ranks, on the GLOBAL tensors
 /// ([B,H,S,X]): the results equal, bitwise, the rows each rank of ring_attention /
@@ -121,12 +145,19 @@ void simulate_ring_attention_backward(int ranks, const TensorView& q, const Tens
                                       const TensorView& grad_out, const TensorView& grad_q,
                                       const TensorView& grad_k, const TensorView& grad_v,
                                       const AttentionParams& params = {}, const RingOptions& options = {});
+void simulate_ring_attention_backward(int ranks, const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& softmax_lse,
+                                      const TensorView& grad_out, const TensorView& grad_q,
+                                      const TensorView& grad_k, const TensorView& grad_v,
+                                      const TensorView& grad_sinks, const AttentionParams& params,
+                                      const RingOptions& options = {});
 
 /// Decoding across ranks: the KV cache sharded by position (this rank holds keys
 /// [key_offset, key_offset + k.size(2)) of a cache of seqlen_k), q [B,Hq,Sq,D] the same on every
 /// rank. Each rank computes its partial (O_r, l_r); MPI_Allreduce(MAX) gives M = max_r l_r; every
 /// rank then gathers the weighted partials (e^{l_r - M} O_r, e^{l_r - M}) and sums them in rank
-/// order (so every rank and every run get the same bits), O = sum / sum w, lse = M + log sum w.
+/// order (so every rank and every run get the same bits), O = sum / sum w, lse = M + log sum w;
+/// then each row's sink (params.sinks) joins once. ALiBi and keep-first as in ring_attention.
 /// out [B,Hq,Sq,Dv] and softmax_lse [B,Hq,Sq] (float32, optional) are written on every rank.
 void decode_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
                       const TensorView& out, std::int64_t key_offset, std::int64_t seqlen_k,

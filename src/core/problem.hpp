@@ -49,6 +49,10 @@ struct Problem {
   std::vector<double> alibi;               // ALiBi slopes, slope(b, h) = alibi[b * alibi_sb + h]; empty = none
   std::int64_t alibi_sb = 0;               // 0 ([Hq] slopes) or Hq ([B, Hq])
   std::int64_t keep_first = 0;             // StreamingLLM: keys [0, keep_first) join every window
+  // Added to the diagonal in ALiBi's bias only (- slope |diag + shift - j|), never to the key
+  // ranges: a block of a longer sequence (src/dist) whose window is re-expressed in the block's
+  // coordinates but whose bias is that of the global positions. 0 for every public call.
+  std::int64_t alibi_diag_shift = 0;
 
   bool has_score_options() const noexcept { return !sinks.empty() || !alibi.empty() || keep_first > 0; }
   double slope(std::int64_t b, std::int64_t h) const noexcept {

@@ -1,7 +1,11 @@
 // One block of context-parallel attention = the tiles of (local queries) x (a key shard), each a
-// plain qkv::attention call. The global diagonal of a tile sits at an arbitrary offset from the
-// tile's own; trimming the tile to its first admissible row and first admissible key puts that
-// offset where a top-left window of non-negative sides expresses it exactly (blocks.hpp).
+// plain attention call (lowered and dispatched as qkv::attention does). The global diagonal of a
+// tile sits at an arbitrary offset from the tile's own; trimming the tile to its first admissible
+// row and first admissible key puts that offset where a top-left window of non-negative sides
+// expresses it exactly (blocks.hpp). ALiBi's bias reads the global diagonal through
+// Problem::alibi_diag_shift; keep-first's kept keys left of the window are a second tile of the
+// same block (a causal-like band of its own); sinks join once per row after every block
+// (join_sinks), so the tiles run without them.
 #include "dist/blocks.hpp"
 
 #include <algorithm>
@@ -11,6 +15,7 @@
 #include <string>
 
 #include "core/validate.hpp"
+#include "dispatch/dispatch.hpp"
 #include "kernels/engine/lse_merge.hpp"
 #include "qkv/backward.hpp"
 #include "qkv/error.hpp"
@@ -26,6 +31,11 @@ Global::Global(i64 sq, i64 sk, const AttentionParams& p, i64 batch) : Sq(sq), Sk
   const i64 wide = Sq + Sk + 1;
   L = w.left < 0 ? -1 : std::min(w.left, wide);
   R = w.right < 0 ? -1 : std::min(w.right, wide);
+  keep = p.window_keep_first;
+  if (p.sinks) {
+    const TensorView& z = *p.sinks;
+    for (i64 h = 0; h < z.size(0); ++h) sinks.push_back(z.data_as<const float>()[h]);
+  }
   if (p.kv_lens) {
     const TensorView& l = *p.kv_lens;
     lens.resize(static_cast<std::size_t>(batch));
@@ -71,27 +81,42 @@ void add_into(float* a, const float* b, i64 n) {
 
 namespace {
 
-// Rows [i0, i1) and keys [j0, j1) of a tile that hold every admissible pair, and the top-left
-// window (L, R) that admits exactly those pairs in the trimmed tile's coordinates.
+// Rows [i0, i1) and keys [j0, j1) of a tile that hold every admissible pair, the top-left
+// window (L, R) that admits exactly those pairs in the trimmed tile's coordinates, and the
+// global diagonal's offset from the tile's (row i' sits at key i' + shift: ALiBi's bias).
 struct Tile {
-  i64 i0 = 0, i1 = 0, j0 = 0, j1 = 0, L = -1, R = -1;
+  i64 i0 = 0, i1 = 0, j0 = 0, j1 = 0, L = -1, R = -1, shift = 0;
 };
+
+// The two parts of a block: the window's band, and with keep-first the kept keys left of it.
+enum class Part { window, kept };
 
 // Tile of nr query rows at global positions [g0, g0 + nr) against nk keys at [h0, h0 + nk), batch b.
 // Row i's diagonal, in the key block's coordinates, is i + s; it admits [max(0, i + s - L),
 // min(nk_eff, i + s + R + 1)). Both ends grow with i, so the admitting rows form one interval and
 // its first row has the smallest lower end. After trimming, s' = s + i0 - j0 gives
 // L' = L - s' = j0 - (i0 + s - L) >= 0 and R' = R + s' >= 0 (row i0 admits key j0).
-bool tile_geometry(const Global& g, i64 b, i64 g0, i64 nr, i64 h0, i64 nk, Tile& t) {
+// Part::kept: the keys below keep-first's bound the window leaves out on the left, [0, min(keep
+// - h0, nke, d - L)) (d - L < d + R + 1: the right bound never cuts them further). That is the
+// band of an unbounded left side and a right side of -L - 1, trimmed the same way (j0 = 0 and
+// row i0 admits key 0, so R' = s + i0 - L - 1 >= 0). A window unbounded on the left has no such
+// keys: it admits them already.
+bool tile_geometry(const Global& g, i64 b, i64 g0, i64 nr, i64 h0, i64 nk, Part part, Tile& t) {
+  const bool kept = part == Part::kept;
+  if (kept && (g.L < 0 || g.keep <= h0)) return false;
   const i64 len = g.key_len(b);
   const i64 delta = g.params.align == Alignment::bottom_right ? len - g.Sq : 0;
   const i64 s = g0 + delta - h0;
   const i64 nke = std::clamp<i64>(len - h0, 0, nk);
+  const i64 cap = kept ? std::min(nke, g.keep - h0) : nke;
+  const i64 L = kept ? -1 : g.L;
+  const i64 R = kept ? -g.L - 1 : g.R;
+  const bool right = kept || g.R >= 0;  // a bounded right side
   i64 first = -1, last = -1, j0 = 0, j1 = 0;
   for (i64 i = 0; i < nr; ++i) {
     const i64 d = i + s;
-    const i64 lo = g.L < 0 ? 0 : std::max<i64>(0, d - g.L);
-    const i64 hi = g.R < 0 ? nke : std::min<i64>(nke, d + g.R + 1);
+    const i64 lo = L < 0 ? 0 : std::max<i64>(0, d - L);
+    const i64 hi = right ? std::min<i64>(cap, d + R + 1) : cap;
     if (lo >= hi) continue;
     if (first < 0) { first = i; j0 = lo; }
     last = i;
@@ -99,7 +124,7 @@ bool tile_geometry(const Global& g, i64 b, i64 g0, i64 nr, i64 h0, i64 nk, Tile&
   }
   if (first < 0) return false;
   const i64 s2 = s + first - j0;
-  t = {first, last + 1, j0, j1, g.L < 0 ? -1 : g.L - s2, g.R < 0 ? -1 : g.R + s2};
+  t = {first, last + 1, j0, j1, L < 0 ? -1 : L - s2, right ? R + s2 : -1, s2};
   return true;
 }
 
@@ -126,6 +151,9 @@ std::optional<TensorView> slice_mask(const Global& g, i64 B, i64 b0, i64 nb, i64
   return TensorView(base, m.dtype(), shape, strides);
 }
 
+// A tile's options: its window in its own coordinates, its slices of the mask and of per-batch
+// ALiBi slopes; no key lengths (the trimmed tile holds no key beyond them), no kept keys (a tile
+// of their own), no sinks (joined once per row after the merge: join_sinks).
 AttentionParams tile_params(const Global& g, const Tile& t, i64 B, i64 b0, i64 nb, i64 gq, i64 gk) {
   AttentionParams p = g.params;
   p.causal = false;
@@ -133,8 +161,31 @@ AttentionParams tile_params(const Global& g, const Tile& t, i64 B, i64 b0, i64 n
   p.window_right = t.R;
   p.align = Alignment::top_left;
   p.kv_lens.reset();
+  p.sinks.reset();
+  p.window_keep_first = 0;
   p.mask = slice_mask(g, B, b0, nb, gq + t.i0, t.i1 - t.i0, gk + t.j0, t.j1 - t.j0);
+  if (p.alibi_slopes && p.alibi_slopes->rank() == 2) {
+    const TensorView& a = *p.alibi_slopes;
+    p.alibi_slopes = TensorView(a.data_as<float>() + b0 * a.size(1), DType::f32, {nb, a.size(1)}, {a.size(1), 1});
+  }
   return p;
+}
+
+// qkv::attention and attention_backward of one tile, with ALiBi's diagonal moved to the global
+// one (the only thing the public options cannot say).
+void tile_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                  const TensorView& l, const AttentionParams& p, const Tile& t) {
+  qkv::detail::Problem pr = qkv::detail::lower_attention(q, k, v, o, p, l, std::nullopt);
+  pr.alibi_diag_shift = t.shift;
+  qkv::detail::run_call(qkv::detail::Call::forward(pr, p));
+}
+
+void tile_backward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o,
+                   const TensorView& l, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                   const TensorView& dv, const AttentionParams& p, const Tile& t) {
+  qkv::detail::BackwardProblem bp = qkv::detail::lower_attention_backward(q, k, v, o, l, dout, dq, dk, dv, p);
+  bp.fwd.alibi_diag_shift = t.shift;
+  qkv::detail::run_call(qkv::detail::Call::backward(bp, p));
 }
 
 // Merges a tile's partial (o, l) rows into the accumulators, row by row (see dist.hpp).
@@ -149,18 +200,23 @@ void merge(FwdAcc& acc, i64 b0, i64 nb, i64 row0, i64 nr, const float* o, const 
       }
 }
 
-// Calls fn(b0, nb, tile) for each batch group of one tile: one call for all batches when the
-// geometry does not depend on the batch (no key lengths), else one per batch.
+// Calls fn(b0, nb, tile) for each batch group of one tile and each part of the block (the
+// window's band, then the kept keys): one call for all batches when the geometry does not depend
+// on the batch (no key lengths, no per-batch ALiBi slopes), else one per batch.
 template <class Fn>
 void for_batches(const Global& g, i64 B, i64 g0, i64 nr, i64 h0, i64 nk, Fn&& fn) {
-  if (g.lens.empty()) {
-    Tile t;
-    if (tile_geometry(g, 0, g0, nr, h0, nk, t)) fn(i64{0}, B, t);
-    return;
-  }
-  for (i64 b = 0; b < B; ++b) {
-    Tile t;
-    if (tile_geometry(g, b, g0, nr, h0, nk, t)) fn(b, i64{1}, t);
+  const bool per_batch = !g.lens.empty() || (g.params.alibi_slopes && g.params.alibi_slopes->rank() == 2);
+  for (const Part part : {Part::window, Part::kept}) {
+    if (part == Part::kept && g.keep <= 0) break;
+    if (!per_batch) {
+      Tile t;
+      if (tile_geometry(g, 0, g0, nr, h0, nk, part, t)) fn(i64{0}, B, t);
+      continue;
+    }
+    for (i64 b = 0; b < B; ++b) {
+      Tile t;
+      if (tile_geometry(g, b, g0, nr, h0, nk, part, t)) fn(b, i64{1}, t);
+    }
   }
 }
 
@@ -179,9 +235,9 @@ void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& 
           const i64 rows = t.i1 - t.i0, keys = t.j1 - t.j0;
           if (pairs) *pairs += nb * Hq * rows * keys;
           Tensor o(DType::f32, {nb, Hq, rows, Dv}), l(DType::f32, {nb, Hq, rows});
-          attention(q.rows(b0, nb, qrow + r0 + t.i0, rows), kv.k.rows(b0, nb, kcol + t.j0, keys),
-                    kv.v.rows(b0, nb, kcol + t.j0, keys), o,
-                    tile_params(g, t, B, b0, nb, qs.start + r0, ks.start), l.view());
+          tile_forward(q.rows(b0, nb, qrow + r0 + t.i0, rows), kv.k.rows(b0, nb, kcol + t.j0, keys),
+                       kv.v.rows(b0, nb, kcol + t.j0, keys), o, l, tile_params(g, t, B, b0, nb, qs.start + r0, ks.start),
+                       t);
           merge(acc, b0, nb, qrow + r0 + t.i0, rows, o.data_as<float>(), l.data_as<float>());
         });
         kcol += ks.length;
@@ -209,9 +265,9 @@ void backward_step(const Global& g, const Packed& q, const Packed& out, const Pa
               tdv(DType::f32, {nb, Hkv, keys, Dv});
           const TensorView lse_rows(static_cast<float*>(const_cast<void*>(lse.data)) + (b0 * Hq) * nq + row0,
                                     DType::f32, {nb, Hq, rows}, {Hq * nq, nq, 1});
-          attention_backward(q.rows(b0, nb, row0, rows), kv.k.rows(b0, nb, key0, keys), kv.v.rows(b0, nb, key0, keys),
-                             out.rows(b0, nb, row0, rows), lse_rows, dout.rows(b0, nb, row0, rows), tdq, tdk, tdv,
-                             tile_params(g, t, B, b0, nb, qs.start + r0, ks.start));
+          tile_backward(q.rows(b0, nb, row0, rows), kv.k.rows(b0, nb, key0, keys), kv.v.rows(b0, nb, key0, keys),
+                        out.rows(b0, nb, row0, rows), lse_rows, dout.rows(b0, nb, row0, rows), tdq, tdk, tdv,
+                        tile_params(g, t, B, b0, nb, qs.start + r0, ks.start), t);
           for (i64 bb = 0; bb < nb; ++bb) {
             for (i64 h = 0; h < Hq; ++h)
               add_into(dq + (((b0 + bb) * Hq + h) * nq + row0) * D, tdq.data_as<float>() + ((bb * Hq + h) * rows) * D,
@@ -232,6 +288,50 @@ void backward_step(const Global& g, const Packed& q, const Packed& out, const Pa
   }
 }
 
+void join_sinks(const Global& g, FwdAcc& acc) {
+  if (g.sinks.empty()) return;
+  const std::vector<float> zero(static_cast<std::size_t>(acc.Dv), 0.0f);
+  for (i64 b = 0; b < acc.B; ++b)
+    for (i64 h = 0; h < acc.H; ++h)
+      for (i64 i = 0; i < acc.n; ++i) {
+        const i64 row = (b * acc.H + h) * acc.n + i;
+        qkv::detail::lse_merge_pair(acc.out.data() + row * acc.Dv, acc.lse[static_cast<std::size_t>(row)], zero.data(),
+                                    g.sinks[static_cast<std::size_t>(h)], acc.Dv);
+      }
+}
+
+std::vector<double> sink_terms(const Global& g, const Packed& out, const Packed& lse, const Packed& dout) {
+  const i64 rows = out.B * out.H * out.n, Dv = out.X;
+  std::vector<double> terms(static_cast<std::size_t>(rows), 0.0);
+  if (g.sinks.empty()) return terms;
+  for (i64 x = 0; x < rows; ++x) {
+    double d = 0.0;
+    for (i64 c = 0; c < Dv; ++c)
+      d += load_as_double(dout.data, dout.dtype, x * Dv + c) * load_as_double(out.data, out.dtype, x * Dv + c);
+    const double z = g.sinks[static_cast<std::size_t>((x / out.n) % out.H)];
+    // An empty row (O = 0) adds nothing, whatever its lse (the single-process backward's rule).
+    if (d != 0.0) terms[static_cast<std::size_t>(x)] = std::exp(z - load_as_double(lse.data, DType::f32, x)) * d;
+  }
+  return terms;
+}
+
+void write_sink_gradient(const std::vector<double>& terms, i64 B, i64 Hq, i64 Sq, const TensorView& grad_sinks) {
+  for (i64 h = 0; h < Hq; ++h) {
+    double dz = 0.0;
+    for (i64 b = 0; b < B; ++b)
+      for (i64 i = 0; i < Sq; ++i) dz -= terms[static_cast<std::size_t>((b * Hq + h) * Sq + i)];
+    grad_sinks.data_as<float>()[h * grad_sinks.stride(0)] = static_cast<float>(dz);
+  }
+}
+
+void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, i64 Hq,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others) {
+  // The single-process backward's checks and messages (only the result of the lowering is unused).
+  qkv::detail::BackwardProblem bp;
+  bp.fwd.Hq = Hq;
+  qkv::detail::lower_grad_sinks(bp, grad_sinks, params, others);
+}
+
 void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<TensorView>& lse) {
   const i64 es = static_cast<i64>(dtype_size(out.dtype()));
   for (i64 b = 0; b < acc.B; ++b)
@@ -248,17 +348,6 @@ void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<
 
 void check_local(const TensorView& q, const TensorView& k, const TensorView& v, i64 sq_local, i64 sk_local, i64 Sq,
                  i64 Sk, const AttentionParams& params) {
-  // The ring and decode merges know no sink term, ALiBi bias or kept first keys yet: refused by
-  // name rather than computed without them.
-  if (params.sinks)
-    throw Error("sinks: expected none (qkv::dist does not take attention sinks yet; qkv::attention does), got a tensor of shape " +
-                shape_str(params.sinks->shape()));
-  if (params.alibi_slopes)
-    throw Error("alibi_slopes: expected none (qkv::dist does not take ALiBi yet; qkv::attention does), got a tensor of shape " +
-                shape_str(params.alibi_slopes->shape()));
-  if (params.window_keep_first != 0)
-    throw Error("window_keep_first: expected 0 (qkv::dist does not keep first keys yet; qkv::attention does), got " +
-                std::to_string(params.window_keep_first));
   qkv::detail::check_rank4(q, "q", "[B,Hq,Sq,D]");
   qkv::detail::check_rank4(k, "k", "[B,Hkv,Sk,D]");
   qkv::detail::check_rank4(v, "v", "[B,Hkv,Sk,Dv]");

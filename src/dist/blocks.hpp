@@ -6,6 +6,8 @@
 // exactly these functions in the same order, so their results are bitwise equal.
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <utility>
 #include <vector>
 
 #include "qkv/attention.hpp"
@@ -20,6 +22,8 @@ struct Global {
   AttentionParams params;            // the caller's; kv_lens read into `lens`
   std::int64_t L = -1, R = -1;       // effective window, clamped to Sq + Sk + 1
   std::vector<std::int64_t> lens;    // key lengths per batch (empty: Sk)
+  std::int64_t keep = 0;             // window_keep_first
+  std::vector<float> sinks;          // sink logits z_h [Hq] (empty: none)
   Global(std::int64_t sq, std::int64_t sk, const AttentionParams& p, std::int64_t batch);
   std::int64_t key_len(std::int64_t b) const { return lens.empty() ? Sk : lens[static_cast<std::size_t>(b)]; }
 };
@@ -58,6 +62,25 @@ void forward_step(const Global& g, const Packed& q, const std::vector<Segment>& 
 void backward_step(const Global& g, const Packed& q, const Packed& out, const Packed& lse, const Packed& dout,
                    const std::vector<Segment>& q_segs, const KVBlock& kv, std::int64_t tile_rows, float* dq,
                    float* dk, float* dv, const std::function<void()>& between, std::int64_t* pairs = nullptr);
+
+/// Joins each row's sink z_h to the merged accumulators, once: one more partial of lse z_h and
+/// value 0 (a row no block admitted gets O = 0, lse = z_h). Nothing without sinks.
+void join_sinks(const Global& g, FwdAcc& acc);
+
+/// The sink's term of each row of packed out [B,Hq,n,Dv], lse [B,Hq,n,1] (fp32) and dout:
+/// e^{z_h - lse} D with D = rowsum(dO * O) in float64 (0 where D = 0), [B,Hq,n] in that order.
+std::vector<double> sink_terms(const Global& g, const Packed& out, const Packed& lse, const Packed& dout);
+
+/// dz_h = - sum of the terms [B,Hq,Sq] of the GLOBAL rows, in float64 in the order b, i (that of
+/// the single-process backward, so the bits depend on neither the ranks nor the placement),
+/// written to grad_sinks (float32 [Hq]).
+void write_sink_gradient(const std::vector<double>& terms, std::int64_t B, std::int64_t Hq, std::int64_t Sq,
+                         const TensorView& grad_sinks);
+
+/// Throws qkv::Error unless grad_sinks fits params as qkv::attention_backward's does (params.sinks
+/// given; float32 [Hq], contiguous; no byte shared with `others` or the options' tensors).
+void check_grad_sinks(const TensorView& grad_sinks, const AttentionParams& params, std::int64_t Hq,
+                      std::initializer_list<std::pair<const TensorView*, const char*>> others);
 
 /// Writes the accumulators to out (its dtype, rounded once) and softmax_lse (float32 view).
 void write_result(const FwdAcc& acc, const TensorView& out, const std::optional<TensorView>& lse);

@@ -1,6 +1,7 @@
 // Decoding across ranks: each rank attends the query tokens to its slice of the KV cache; the
 // partials meet in two collectives, a max of softmax_lse and a gather of the weighted partials
 // summed in rank order (MPI's own reduction order is not fixed, and float sums depend on it).
+// Sinks join the combined row once, on every rank alike (detail::join_sinks).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -111,6 +112,7 @@ void decode_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, c
   weigh(acc, M, mine.data());
   MPI_Allgather(mine.data(), static_cast<int>(stride), MPI_FLOAT, all.data(), static_cast<int>(stride), MPI_FLOAT, comm);
   combine(all, P, M, acc);
+  detail::join_sinks(g, acc);
   detail::write_result(acc, out, softmax_lse);
 }
 
@@ -137,6 +139,7 @@ void simulate_decode_attention(int ranks, const TensorView& q, const TensorView&
   std::vector<float> all(static_cast<std::size_t>(stride * ranks));
   for (int r = 0; r < ranks; ++r) weigh(parts[static_cast<std::size_t>(r)], M, all.data() + r * stride);
   combine(all, ranks, M, res);
+  detail::join_sinks(detail::Global(q.size(2), Sk, params, q.size(0)), res);
   detail::write_result(res, out, softmax_lse);
 }
 

@@ -141,12 +141,34 @@ std::string check_ring(int P, int r, const TensorView& q, const TensorView& k, c
 }
 
 std::vector<i64> agreed_values(const TensorView& q, const TensorView& k, const TensorView& v, i64 Sq, i64 Sk,
-                               const RingOptions& o, Placement pl) {
+                               const AttentionParams& p, const RingOptions& o, Placement pl, bool grad_sinks = false) {
   return {Sq, Sk, q.size(0), q.size(1), k.size(1), q.size(3), v.size(3), static_cast<i64>(q.dtype()),
-          static_cast<i64>(pl), o.tile_rows};
+          static_cast<i64>(pl), o.tile_rows, p.sinks ? 1 : 0, p.alibi_slopes ? p.alibi_slopes->rank() : 0,
+          p.window_keep_first, grad_sinks ? 1 : 0};
 }
 const std::vector<const char*> kAgreedNames = {"seqlen_q", "seqlen_k", "q.B", "q.Hq", "k.Hkv", "q.D", "v.Dv",
-                                               "q.dtype", "options.placement", "options.tile_rows"};
+                                               "q.dtype", "options.placement", "options.tile_rows",
+                                               "params.sinks (given)", "params.alibi_slopes (rank)",
+                                               "params.window_keep_first", "grad_sinks (given)"};
+
+// The sink terms of every rank (each [B,Hq,n_s] for its rows), placed at their global rows:
+// [B,Hq,Sq].
+std::vector<double> place_terms(const std::vector<double>& all, const Layout& L, i64 Sq) {
+  std::vector<double> g(static_cast<std::size_t>(L.B * L.Hq * Sq));
+  std::size_t off = 0;
+  for (int s = 0; s < L.P; ++s) {
+    const auto& segs = L.qsegs[static_cast<std::size_t>(s)];
+    const i64 n = detail::total_length(segs);
+    for (i64 bh = 0; bh < L.B * L.Hq; ++bh) {
+      i64 i = 0;
+      for (const Segment& seg : segs)
+        for (i64 x = 0; x < seg.length; ++x, ++i)
+          g[static_cast<std::size_t>(bh * Sq + seg.start + x)] = all[off + static_cast<std::size_t>(bh * n + i)];
+    }
+    off += static_cast<std::size_t>(L.B * L.Hq * n);
+  }
+  return g;
+}
 
 }  // namespace
 
@@ -168,7 +190,7 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
     }
   }
   const bool ranks_ok = err.empty();
-  detail::agree(comm, err, ranks_ok ? agreed_values(q, k, v, Sq, Sk, options, pl) : std::vector<i64>{},
+  detail::agree(comm, err, ranks_ok ? agreed_values(q, k, v, Sq, Sk, params, options, pl) : std::vector<i64>{},
                 kAgreedNames);
 
   const Layout L = layout(P, r, q, v, k.size(1), Sq, Sk, pl);
@@ -213,14 +235,17 @@ void ring_attention(MPI_Comm comm, const TensorView& q, const TensorView& k, con
       stats->wait_s.push_back(t2 - t1);
     }
   }
+  detail::join_sinks(g, acc);
   detail::write_result(acc, out, softmax_lse);
   if (stats) stats->total_s = detail::now() - t_start;
 }
 
-void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
-                             const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
-                             const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v, i64 Sq,
-                             i64 Sk, const AttentionParams& params, const RingOptions& options, RingStats* stats) {
+namespace {
+
+void ring_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                   const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                   const TensorView& grad_k, const TensorView& grad_v, const TensorView* grad_sinks, i64 Sq, i64 Sk,
+                   const AttentionParams& params, const RingOptions& options, RingStats* stats) {
   const double t_start = detail::now();
   int P = 1, r = 0;
   MPI_Comm_size(comm, &P);
@@ -236,12 +261,17 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
       check_out(grad_q, "grad_q", q.shape(), false);
       check_out(grad_k, "grad_k", k.shape(), false);
       check_out(grad_v, "grad_v", v.shape(), false);
+      if (grad_sinks)
+        detail::check_grad_sinks(*grad_sinks, params, q.size(1),
+                                 {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                                  {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
     } catch (const Error& e) {
       err = e.what();
     }
   }
   const bool ranks_ok = err.empty();
-  detail::agree(comm, err, ranks_ok ? agreed_values(q, k, v, Sq, Sk, options, pl) : std::vector<i64>{},
+  detail::agree(comm, err,
+                ranks_ok ? agreed_values(q, k, v, Sq, Sk, params, options, pl, grad_sinks != nullptr) : std::vector<i64>{},
                 kAgreedNames);
 
   const Layout L = layout(P, r, q, v, k.size(1), Sq, Sk, pl);
@@ -325,7 +355,42 @@ void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorVie
   detail::scatter(dq, all_q, grad_q);
   detail::scatter(dkl, all_k, grad_k);
   detail::scatter(dvl, all_k, grad_v);
+  if (grad_sinks) {
+    // Every rank's per-row terms to every rank, summed there in the global row order.
+    const std::vector<double> mine = detail::sink_terms(g, packed(op), packed(lp), packed(dop));
+    std::vector<int> counts(static_cast<std::size_t>(P)), displs(static_cast<std::size_t>(P));
+    int total = 0;
+    for (int s = 0; s < P; ++s) {
+      counts[static_cast<std::size_t>(s)] =
+          static_cast<int>(L.B * L.Hq * detail::total_length(L.qsegs[static_cast<std::size_t>(s)]));
+      displs[static_cast<std::size_t>(s)] = total;
+      total += counts[static_cast<std::size_t>(s)];
+    }
+    std::vector<double> all(static_cast<std::size_t>(total));
+    MPI_Allgatherv(mine.data(), static_cast<int>(mine.size()), MPI_DOUBLE, all.data(), counts.data(), displs.data(),
+                   MPI_DOUBLE, comm);
+    detail::write_sink_gradient(place_terms(all, L, Sq), L.B, L.Hq, Sq, *grad_sinks);
+  }
   if (stats) stats->total_s = detail::now() - t_start;
+}
+
+}  // namespace
+
+void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                             const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v, i64 Sq,
+                             i64 Sk, const AttentionParams& params, const RingOptions& options, RingStats* stats) {
+  ring_backward(comm, q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, nullptr, Sq, Sk, params, options,
+                stats);
+}
+
+void ring_attention_backward(MPI_Comm comm, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                             const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                             const TensorView& grad_sinks, i64 Sq, i64 Sk, const AttentionParams& params,
+                             const RingOptions& options, RingStats* stats) {
+  ring_backward(comm, q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, &grad_sinks, Sq, Sk, params,
+                options, stats);
 }
 
 void simulate_ring_attention(int ranks, const TensorView& q, const TensorView& k, const TensorView& v,
@@ -368,16 +433,19 @@ void simulate_ring_attention(int ranks, const TensorView& q, const TensorView& k
     const auto& segs = L.qsegs[static_cast<std::size_t>(r)];
     const i64 n = detail::total_length(segs);
     Tensor o(out.dtype(), {L.B, L.Hq, n, L.Dv}), l(DType::f32, {L.B, L.Hq, n});
+    detail::join_sinks(g, acc[static_cast<std::size_t>(r)]);
     detail::write_result(acc[static_cast<std::size_t>(r)], o, l.view());
     detail::scatter(o, segs, out);
     detail::scatter(as4d(l), segs, as4d(softmax_lse));
   }
 }
 
-void simulate_ring_attention_backward(int ranks, const TensorView& q, const TensorView& k, const TensorView& v,
-                                      const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
-                                      const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
-                                      const AttentionParams& params, const RingOptions& options) {
+namespace {
+
+void simulate_backward(int ranks, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                       const TensorView& softmax_lse, const TensorView& grad_out, const TensorView& grad_q,
+                       const TensorView& grad_k, const TensorView& grad_v, const TensorView* grad_sinks,
+                       const AttentionParams& params, const RingOptions& options) {
   const Placement pl = resolve_placement(options.placement, params);
   qkv::detail::check_rank4(q, "q", "[B,Hq,Sq,D]");
   qkv::detail::check_rank4(k, "k", "[B,Hkv,Sk,D]");
@@ -396,6 +464,10 @@ void simulate_ring_attention_backward(int ranks, const TensorView& q, const Tens
   check_out(grad_q, "grad_q", q.shape(), false);
   check_out(grad_k, "grad_k", k.shape(), false);
   check_out(grad_v, "grad_v", v.shape(), false);
+  if (grad_sinks)
+    detail::check_grad_sinks(*grad_sinks, params, q.size(1),
+                             {{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&softmax_lse, "softmax_lse"},
+                              {&grad_out, "grad_out"}, {&grad_q, "grad_q"}, {&grad_k, "grad_k"}, {&grad_v, "grad_v"}});
   const Layout L = layout(ranks, 0, q, v, k.size(1), Sq, Sk, pl);
   const Global g(Sq, Sk, params, L.B);
   std::vector<Tensor> qp, op, lp, dop, kvb, dq, dacc;
@@ -436,6 +508,29 @@ void simulate_ring_attention_backward(int ranks, const TensorView& q, const Tens
     detail::scatter(dkl, L.ksegs[rr], grad_k);
     detail::scatter(dvl, L.ksegs[rr], grad_v);
   }
+  if (grad_sinks) {
+    // The terms of the global rows directly: the same per-row arithmetic as each rank's.
+    const Tensor op = detail::pack(out, out.dtype()), lp = detail::pack(as4d(softmax_lse), DType::f32),
+                 dop = detail::pack(grad_out, grad_out.dtype());
+    detail::write_sink_gradient(detail::sink_terms(g, packed(op), packed(lp), packed(dop)), L.B, L.Hq, Sq, *grad_sinks);
+  }
+}
+
+}  // namespace
+
+void simulate_ring_attention_backward(int ranks, const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                                      const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                                      const AttentionParams& params, const RingOptions& options) {
+  simulate_backward(ranks, q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, nullptr, params, options);
+}
+
+void simulate_ring_attention_backward(int ranks, const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& softmax_lse, const TensorView& grad_out,
+                                      const TensorView& grad_q, const TensorView& grad_k, const TensorView& grad_v,
+                                      const TensorView& grad_sinks, const AttentionParams& params,
+                                      const RingOptions& options) {
+  simulate_backward(ranks, q, k, v, out, softmax_lse, grad_out, grad_q, grad_k, grad_v, &grad_sinks, params, options);
 }
 
 }  // namespace qkv::dist

@@ -76,7 +76,7 @@ double ReferenceRows::run(std::int64_t b, std::int64_t h, std::int64_t i, double
     // Step 2: scaling, then softcap, then the ALiBi bias, then the additive mask.
     double sj = p.scale * dot;
     if (p.softcap > 0.0) sj = p.softcap * std::tanh(sj / p.softcap);
-    if (!p.alibi.empty()) sj -= p.slope(b, h) * static_cast<double>(std::abs(p.diag(b, i) - j));
+    if (!p.alibi.empty()) sj -= p.slope(b, h) * static_cast<double>(std::abs(p.diag(b, i) + p.alibi_diag_shift - j));
     sj += add;
     s_[j] = sj;
     if (sj > row_max) row_max = sj;

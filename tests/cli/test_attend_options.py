@@ -236,8 +236,10 @@ def error_cases(tmp):
         ("--grad-sinks without --sinks", ["--grad-out", f["q"], "--grad-sinks", f["dz"]],
          "--grad-sinks: expected --sinks"),
         ("--grad-sinks without --grad-out", ["--sinks", f["z"], "--grad-sinks", f["dz"]], "--grad-out: expected dO"),
-        ("sinks with --simulate-ranks", ["--sinks", f["z"], "--simulate-ranks", "2"],
-         "--sinks: not available with --distributed or --simulate-ranks"),
+        ("sinks of the wrong shape with --simulate-ranks", ["--sinks", f["z3"], "--simulate-ranks", "2"],
+         "sinks: expected shape [Hq] = [2], got [3]"),
+        ("--grad-sinks without --sinks, --simulate-ranks", ["--grad-out", f["q"], "--grad-sinks", f["dz"],
+                                                            "--simulate-ranks", "2"], "--grad-sinks: expected --sinks"),
     ]
     for name, extra, needle in cases:
         for n in ("o", "dq", "dz"):

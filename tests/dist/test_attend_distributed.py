@@ -3,7 +3,8 @@
 --simulate-ranks P ...` (the same schedule in one process), byte for byte, and values close to a
 plain `qkv attend`; with P = 1 and no causal, window, mask or key lengths the forward files equal
 plain `attend`'s (one block, whole tiles of rows: the same kernel calls row for row). Also
---decode, --bench, and a bad input (one error line, exit status non-zero, no output file).
+--decode, the score options (--sinks with --grad-sinks, --alibi-slopes, --keep-first), --bench,
+and a bad input (one error line, exit status non-zero, no output file).
 
 Usage: test_attend_distributed.py <qkv binary> <mpirun>
 """
@@ -37,7 +38,7 @@ def expect(ok, what):
 
 
 def case(tmp, name, rng, *, B, Hq, Hkv, Sq, Sk, D, Dv, layout="bhsd", flags=(), grads=False, mask=None, lens=None,
-         ranks=(1, 2, 3), same_as_plain_at_1=False):
+         ranks=(1, 2, 3), same_as_plain_at_1=False, sinks=False, slopes=None):
     d = pathlib.Path(tmp) / name
     d.mkdir()
     shp = (lambda b, h, s, x: (b, s, h, x)) if layout == "bshd" else (lambda b, h, s, x: (b, h, s, x))
@@ -53,13 +54,21 @@ def case(tmp, name, rng, *, B, Hq, Hkv, Sq, Sk, D, Dv, layout="bhsd", flags=(), 
     if lens is not None:
         np.save(d / "lens.npy", np.array(lens, dtype=np.int64))
         args += ["--kv-lens", str(d / "lens.npy")]
-    outs = ["out", "lse"] + (["dq", "dk", "dv"] if grads else [])
+    if sinks:
+        np.save(d / "z.npy", rng.uniform(-1, 4, Hq).astype(np.float32))
+        args += ["--sinks", str(d / "z.npy")]
+    if slopes is not None:
+        np.save(d / "slopes.npy", np.asarray(slopes, dtype=np.float32))
+        args += ["--alibi-slopes", str(d / "slopes.npy")]
+    outs = ["out", "lse"] + (["dq", "dk", "dv"] if grads else []) + (["dz"] if grads and sinks else [])
 
     def outargs(tag):
         a = ["--out", str(d / f"out.{tag}.npy"), "--lse", str(d / f"lse.{tag}.npy")]
         if grads:
             a += ["--grad-out", str(d / "do.npy"), "--grad-q", str(d / f"dq.{tag}.npy"), "--grad-k",
                   str(d / f"dk.{tag}.npy"), "--grad-v", str(d / f"dv.{tag}.npy")]
+            if sinks:
+                a += ["--grad-sinks", str(d / f"dz.{tag}.npy")]
         return a
 
     run(args + outargs("single"))
@@ -88,6 +97,11 @@ def main():
              flags=["--causal", "--window", "6,0", "--softcap", "3"], mask=m, lens=[35, 20], grads=True)
         case(tmp, "top_left_zigzag_forced", rng, B=1, Hq=2, Hkv=2, Sq=40, Sk=23, D=8, Dv=8,
              flags=["--causal", "--align", "top-left", "--placement", "zigzag", "--tile-rows", "7"], ranks=(2, 4))
+        case(tmp, "sinks_alibi_keep_first_grads", rng, B=2, Hq=4, Hkv=2, Sq=31, Sk=38, D=8, Dv=6,
+             flags=["--causal", "--window", "5,0", "--keep-first", "4", "--softcap", "4"], lens=[38, 21], grads=True,
+             sinks=True, slopes=rng.uniform(-0.3, 0.5, (2, 4)))
+        case(tmp, "decode_sinks_alibi", rng, B=1, Hq=2, Hkv=1, Sq=2, Sk=33, D=8, Dv=8,
+             flags=["--decode", "--keep-first", "3", "--window", "7,0"], ranks=(2, 3), sinks=True, slopes=[0.5, 0.25])
         case(tmp, "decode", rng, B=2, Hq=4, Hkv=1, Sq=1, Sk=45, D=8, Dv=8, flags=["--decode", "--causal"],
              ranks=(2, 3))
 

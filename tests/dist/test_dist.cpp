@@ -2,7 +2,10 @@
 // softmax_lse and gradients of ring attention (forward, backward) and of decoding across ranks
 // are bitwise those of the same schedule run in one process (qkv::dist::simulate_*), and that
 // is within the fp32 rule of the float64 reference; bytes sent per step equal the model's;
-// a rank that refuses a call makes every rank throw (no hang). Exit status 0 when all pass.
+// a rank that refuses a call makes every rank throw (no hang). The score options (sinks, ALiBi,
+// keep-first) alone and combined with causal, window, softcap, GQA, masks and uneven shards;
+// dL/dz of the sinks bitwise independent of the number of ranks for given out and lse. Exit
+// status 0 when all pass.
 #include <mpi.h>
 
 #include <cstdio>
@@ -37,10 +40,13 @@ struct Case {
   i64 tile_rows = 64;
   Placement placement = Placement::automatic;
   Progress progress = Progress::poll;
+  bool sinks = false;  // sink logits [Hq], some far above the scores
+  int alibi = 0;       // 0 none, 1 the standard slopes [Hq], 2 per-batch slopes [B,Hq] of both signs
+  i64 keep = 0;        // window_keep_first
 };
 
 struct Inputs {
-  Tensor q, k, v, dout, mask, lens;
+  Tensor q, k, v, dout, mask, lens, sinks, slopes;
   AttentionParams p;
 };
 
@@ -60,6 +66,22 @@ Inputs make_inputs(const Case& c, std::uint64_t seed) {
     for (i64 b = 0; b < c.B; ++b) in.lens.data_as<i64>()[b] = c.lens[static_cast<std::size_t>(b)];
     in.p.kv_lens = in.lens.view();
   }
+  if (c.sinks) {
+    in.sinks = Tensor(DType::f32, {c.Hq});
+    const float z[4] = {0.5f, -2.0f, 3.0f, 9.0f};
+    for (i64 h = 0; h < c.Hq; ++h) in.sinks.data_as<float>()[h] = z[h % 4];
+    in.p.sinks = in.sinks.view();
+  }
+  if (c.alibi == 1) {
+    const std::vector<float> a = alibi_slopes(c.Hq);
+    in.slopes = Tensor(DType::f32, {c.Hq});
+    std::memcpy(in.slopes.data(), a.data(), a.size() * sizeof(float));
+    in.p.alibi_slopes = in.slopes.view();
+  } else if (c.alibi == 2) {
+    in.slopes = random_tensor(DType::f32, {c.B, c.Hq}, seed + 6, 0.4);
+    in.p.alibi_slopes = in.slopes.view();
+  }
+  in.p.window_keep_first = c.keep;
   std::mt19937_64 rng(seed + 5);
   if (c.mask == 1) {
     in.mask = Tensor(DType::b8, {c.B, 1, c.Sq, c.Sk});
@@ -78,6 +100,18 @@ Inputs make_inputs(const Case& c, std::uint64_t seed) {
     in.p.mask = in.mask.view();
   }
   return in;
+}
+
+// softmax_lse [B,H,S] as [B,H,S,1] (to gather rows) and back.
+Tensor lse4_of(const Tensor& l) {
+  Tensor t(DType::f32, {l.shape()[0], l.shape()[1], l.shape()[2], 1});
+  std::memcpy(t.data(), l.data(), l.nbytes());
+  return t;
+}
+Tensor flat3(const Tensor& l) {
+  Tensor t(DType::f32, {l.shape()[0], l.shape()[1], l.shape()[2]});
+  std::memcpy(t.data(), l.data(), l.nbytes());
+  return t;
 }
 
 std::string tag(const Case& c, int P, const char* what) { return c.name + " P=" + std::to_string(P) + ": " + what; }
@@ -131,11 +165,19 @@ void run_ring(const Case& c, MPI_Comm comm) {
 
   // Backward.
   Tensor dq_s(DType::f32, in.q.shape()), dk_s(DType::f32, in.k.shape()), dv_s(DType::f32, in.v.shape());
-  simulate_ring_attention_backward(P, in.q, in.k, in.v, out_s, lse_s, in.dout, dq_s, dk_s, dv_s, in.p, opt);
+  Tensor dz_s(DType::f32, {c.Hq}), dz_l(DType::f32, {c.Hq});
+  if (c.sinks)
+    simulate_ring_attention_backward(P, in.q, in.k, in.v, out_s, lse_s, in.dout, dq_s, dk_s, dv_s, dz_s, in.p, opt);
+  else
+    simulate_ring_attention_backward(P, in.q, in.k, in.v, out_s, lse_s, in.dout, dq_s, dk_s, dv_s, in.p, opt);
   const Tensor dol = detail::gather(in.dout, qs);
   Tensor dq_l(DType::f32, ql.shape()), dk_l(DType::f32, kl.shape()), dv_l(DType::f32, vl.shape());
   RingStats sb;
-  ring_attention_backward(comm, ql, kl, vl, out_l, lse_l, dol, dq_l, dk_l, dv_l, c.Sq, c.Sk, in.p, opt, &sb);
+  if (c.sinks)
+    ring_attention_backward(comm, ql, kl, vl, out_l, lse_l, dol, dq_l, dk_l, dv_l, dz_l, c.Sq, c.Sk, in.p, opt, &sb);
+  else
+    ring_attention_backward(comm, ql, kl, vl, out_l, lse_l, dol, dq_l, dk_l, dv_l, c.Sq, c.Sk, in.p, opt, &sb);
+  if (c.sinks) check(same_bits(dz_l, dz_s), tag(c, P, "d sinks bitwise = simulation"));
   check(same_bits(dq_l, detail::gather(dq_s, qs)), tag(c, P, "dQ bitwise = simulation"));
   check(same_bits(dk_l, detail::gather(dk_s, ks)), tag(c, P, "dK bitwise = simulation"));
   check(same_bits(dv_l, detail::gather(dv_s, ks)), tag(c, P, "dV bitwise = simulation"));
@@ -154,6 +196,22 @@ void run_ring(const Case& c, MPI_Comm comm) {
     const double g_round = c.dt == DType::bf16 ? std::ldexp(max_abs(*grads[gi][0].second), -7) : 0.0;
     check(e <= 2 * e1 + 1e-5 + g_round, tag(c, P, names[gi]) + " within the fp32 rule: " + std::to_string(e) +
                                   " vs single-process " + std::to_string(e1));
+  }
+  if (c.sinks) {
+    Tensor rdz(DType::f32, {c.Hq}), dz1(DType::f32, {c.Hq});
+    reference::attention_backward(in.q, in.k, in.v, out_r, lse_r, in.dout, rdq, rdk, rdv, rdz, in.p);
+    attention_backward(in.q, in.k, in.v, out_1, lse_1, in.dout, dq1, dk1, dv1, dz1, in.p);
+    const double e = max_diff(dz_s, rdz), e1 = max_diff(dz1, rdz);
+    const double g_round = c.dt == DType::bf16 ? std::ldexp(max_abs(rdz), -7) : 0.0;
+    check(e <= 2 * e1 + 1e-5 + std::ldexp(max_abs(rdz), -20) + g_round,
+          tag(c, P, "d sinks within the fp32 rule: ") + std::to_string(e) + " vs single-process " + std::to_string(e1));
+    // Given the same out and softmax_lse (the single-process ones), dL/dz is bitwise that of
+    // qkv::attention_backward whatever the number of ranks and the placement.
+    Tensor dz_f(DType::f32, {c.Hq});
+    const Tensor o1l = detail::gather(out_1, qs), l1l = detail::gather(lse4_of(lse_1), qs);
+    const Tensor l1 = flat3(l1l);
+    ring_attention_backward(comm, ql, kl, vl, o1l, l1, dol, dq_l, dk_l, dv_l, dz_f, c.Sq, c.Sk, in.p, opt);
+    check(same_bits(dz_f, dz1), tag(c, P, "d sinks from the single-process out, lse: bitwise = attention_backward's"));
   }
 }
 
@@ -203,37 +261,27 @@ void run_refusal(MPI_Comm comm) {
     check(msg.find("q: expected this rank's") != std::string::npos, "refusal: the faulty rank names q: " + msg);
 }
 
-// The score options the ring and decode merges do not take yet: every rank refuses by name.
-void run_score_option_refusal(MPI_Comm comm) {
+// grad_sinks without sinks: every rank refuses by name, the ring and its simulation alike.
+void run_grad_sinks_refusal(MPI_Comm comm) {
   int P = 1, r = 0;
   MPI_Comm_size(comm, &P);
   MPI_Comm_rank(comm, &r);
   const i64 S = 12;
   const i64 n = shard(S, P, r, Placement::contiguous)[0].length;
-  Tensor q(DType::f32, {1, 2, n, 4}), k(DType::f32, {1, 2, n, 4}), v(DType::f32, {1, 2, n, 4});
-  Tensor out(DType::f32, {1, 2, n, 4}), lse(DType::f32, {1, 2, n});
-  Tensor zq(DType::f32, {1, 2, S, 4}), zo(DType::f32, {1, 2, S, 4}), zl(DType::f32, {1, 2, S});
-  float z[2] = {0.0f, 1.0f};
-  for (int opt = 0; opt < 3; ++opt) {
-    AttentionParams p;
-    const char* name = opt == 0 ? "sinks" : opt == 1 ? "alibi_slopes" : "window_keep_first";
-    if (opt == 0) p.sinks = TensorView(z, DType::f32, {2});
-    if (opt == 1) p.alibi_slopes = TensorView(z, DType::f32, {2});
-    if (opt == 2) p.window_keep_first = 4;
-    RingOptions o;
-    o.placement = Placement::contiguous;
-    for (int call = 0; call < 3; ++call) {
-      std::string msg;
-      try {
-        if (call == 0) ring_attention(comm, q, k, v, out, lse, S, S, p, o);
-        if (call == 1) simulate_ring_attention(2, zq, zq, zq, zo, zl, p, o);
-        if (call == 2) simulate_decode_attention(2, zq, zq, zq, zo, p);
-      } catch (const Error& e) {
-        msg = e.what();
-      }
-      check(msg.rfind(std::string(name) + ": expected", 0) == 0,
-            std::string("score option refused by name (") + name + ", call " + std::to_string(call) + "): " + msg);
+  Tensor q(DType::f32, {1, 2, n, 4}), out(DType::f32, {1, 2, n, 4}), lse(DType::f32, {1, 2, n});
+  Tensor zq(DType::f32, {1, 2, S, 4}), zl(DType::f32, {1, 2, S}), dz(DType::f32, {2});
+  RingOptions o;
+  o.placement = Placement::contiguous;
+  for (int call = 0; call < 2; ++call) {
+    std::string msg;
+    try {
+      if (call == 0) ring_attention_backward(comm, q, q, q, out, lse, out, q, q, q, dz, S, S, {}, o);
+      if (call == 1) simulate_ring_attention_backward(2, zq, zq, zq, zq, zl, zq, zq, zq, zq, dz, {}, o);
+    } catch (const Error& e) {
+      msg = e.what();
     }
+    check(msg.rfind("grad_sinks: expected params.sinks", 0) == 0,
+          "grad_sinks without sinks refused by name (call " + std::to_string(call) + "): " + msg);
   }
 }
 
@@ -277,6 +325,40 @@ int main(int argc, char** argv) {
     cases.push_back(a);
     Case bf = z; bf.name = "bfloat16 causal"; bf.dt = DType::bf16; bf.Sq = 35; bf.Sk = 35;
     cases.push_back(bf);
+    // The score options, alone and combined.
+    Case s1 = c; s1.name = "sinks GQA"; s1.sinks = true;
+    cases.push_back(s1);
+    Case s2 = m; s2.name = "sinks, bool mask with empty rows"; s2.sinks = true; s2.Hq = 4; s2.Hkv = 2;
+    cases.push_back(s2);
+    Case a1 = z; a1.name = "alibi causal zigzag Sq<Sk"; a1.alibi = 1; a1.Hq = 4; a1.Hkv = 2;
+    cases.push_back(a1);
+    Case a2 = c; a2.name = "alibi [B,Hq] window key lengths top-left Sq>Sk"; a2.alibi = 2; a2.Sq = 41; a2.Sk = 29;
+    a2.align = Alignment::top_left; a2.wl = 6; a2.wr = 4; a2.lens = {29, 13}; a2.tile_rows = 7;
+    cases.push_back(a2);
+    Case a3 = c; a3.name = "alibi bottom-right Sq<Sk contiguous softcap"; a3.alibi = 1; a3.Sq = 23; a3.Sk = 44;
+    a3.softcap = 5.0; a3.placement = Placement::contiguous;
+    cases.push_back(a3);
+    Case k1 = w; k1.name = "keep-first window spanning ranks"; k1.keep = 7;
+    cases.push_back(k1);
+    Case k2 = zc; k2.name = "keep-first causal window contiguous Sq<Sk"; k2.Sq = 27; k2.Sk = 45; k2.wl = 6; k2.keep = 10;
+    cases.push_back(k2);
+    Case k3 = z; k3.name = "keep-first causal zigzag without left bound (no effect), keep > Sk"; k3.keep = 50;
+    cases.push_back(k3);
+    Case k4 = ww; k4.name = "keep-first wide window, tiles of 3, top-left"; k4.keep = 25; k4.tile_rows = 3;
+    k4.align = Alignment::top_left; k4.Sq = 50;
+    cases.push_back(k4);
+    Case all = cw; all.name = "sinks alibi keep-first causal window softcap key lengths GQA"; all.sinks = true;
+    all.alibi = 2; all.keep = 5;
+    cases.push_back(all);
+    Case am = a; am.name = "sinks alibi keep-first additive mask uneven"; am.sinks = true; am.alibi = 1; am.keep = 3;
+    am.Hq = 4; am.Hkv = 2; am.wl = 4; am.wr = 2;
+    cases.push_back(am);
+    Case ab = bf; ab.name = "bfloat16 sinks alibi keep-first causal window"; ab.sinks = true; ab.alibi = 1; ab.keep = 4;
+    ab.wl = 9;
+    cases.push_back(ab);
+    Case at = th; at.name = "sinks alibi keep-first, progress thread, no rows on some ranks"; at.Sq = 3; at.Sk = 5;
+    at.sinks = true; at.alibi = 1; at.keep = 2; at.wl = 1;
+    cases.push_back(at);
   }
   for (const Case& c : cases) {
     try {
@@ -294,6 +376,10 @@ int main(int argc, char** argv) {
     dec.push_back(d2);
     Case d3 = d; d3.name = "decode bf16 softcap"; d3.dt = DType::bf16; d3.softcap = 3.0; d3.Sk = 7;
     dec.push_back(d3);
+    Case d4 = d2; d4.name = "decode sinks alibi keep-first causal window lens"; d4.sinks = true; d4.alibi = 2; d4.keep = 4;
+    dec.push_back(d4);
+    Case d5 = d; d5.name = "decode sinks, shards with no key"; d5.sinks = true; d5.Sk = 2; d5.alibi = 1;
+    dec.push_back(d5);
   }
   for (const Case& c : dec) {
     try {
@@ -303,7 +389,7 @@ int main(int argc, char** argv) {
     }
   }
   run_refusal(MPI_COMM_WORLD);
-  run_score_option_refusal(MPI_COMM_WORLD);
+  run_grad_sinks_refusal(MPI_COMM_WORLD);
 
   int fails = 0;
   MPI_Allreduce(&g_failures, &fails, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);

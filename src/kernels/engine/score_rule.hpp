@@ -84,7 +84,7 @@ struct ScoreRule {
     Position ps;
     i64 lo, hi;
     key_ranges(p, b, i, lo, hi, ps.first_hi);
-    ps.diag = p.diag(b, i);
+    ps.diag = p.diag(b, i) + p.alibi_diag_shift;
     ps.slope = p.alibi.empty() ? 0.0f : static_cast<float>(p.slope(b, h));
     return ps;
   }
