@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/dropout.hpp"
 #include "qkv/attention.hpp"
 
 namespace qkv::detail {
@@ -49,6 +50,7 @@ struct Problem {
   std::vector<double> alibi;               // ALiBi slopes, slope(b, h) = alibi[b * alibi_sb + h]; empty = none
   std::int64_t alibi_sb = 0;               // 0 ([Hq] slopes) or Hq ([B, Hq])
   std::int64_t keep_first = 0;             // StreamingLLM: keys [0, keep_first) join every window
+  Dropout dropout;                         // attention dropout (core/dropout.hpp); off by default
 
   bool has_score_options() const noexcept { return !sinks.empty() || !alibi.empty() || keep_first > 0; }
   double slope(std::int64_t b, std::int64_t h) const noexcept {

@@ -38,15 +38,25 @@ std::string score_options_refusal(const Problem& p, const char* kernel, const ch
 
 namespace {
 
+// Dropout: only the reference applies it yet; every fast kernel's gate says so first.
+std::string dropout_refusal(const Problem& p) {
+  if (!p.dropout.on()) return {};
+  return "dropout_p = " + std::to_string(p.dropout.p) + ": no fast kernel applies dropout yet (the reference does)";
+}
+
 // ---- qkv::attention -----------------------------------------------------------------------------
 
 // The position terms (ALiBi, keep-first) come first for decode, which takes sinks (in its merge)
 // but not them yet: flash does, whatever the shape.
 std::string decode_gate(const Call& c) {
+  if (std::string why = dropout_refusal(*c.p); !why.empty()) return why;
   std::string why = score_options_refusal(*c.p, "decode", "flash", true);
   return why.empty() ? decode_refuse(*c.p) : why;
 }
-std::string flash_gate(const Call& c) { return flash_refuse(*c.p); }
+std::string flash_gate(const Call& c) {
+  std::string why = dropout_refusal(*c.p);
+  return why.empty() ? flash_refuse(*c.p) : why;
+}
 // The tiled kernels are handed the level's bf16 form for bf16 q (kernels/engine/engine.hpp).
 std::string forward_isa(const Call& c) { return active_isa_form(c.p->q.dtype == DType::bf16); }
 
@@ -78,7 +88,10 @@ std::string reference_describe() { return "float64 loops, always usable"; }
 
 // ---- qkv::attention_backward --------------------------------------------------------------------
 
-std::string flash_backward_gate(const Call& c) { return flash_backward_refuse(*c.bp); }
+std::string flash_backward_gate(const Call& c) {
+  std::string why = dropout_refusal(c.bp->fwd);
+  return why.empty() ? flash_backward_refuse(*c.bp) : why;
+}
 // The bf16 form needs bf16 q, dO and O (kernels/engine/engine.hpp).
 std::string backward_isa(const Call& c) {
   const BackwardProblem& bp = *c.bp;
@@ -92,6 +105,7 @@ void run_reference_backward(const Call& c) { reference_backward(*c.bp); }
 // ---- packed and paged batches ---------------------------------------------------------------------
 
 std::string serving_gate(const Call& c) {
+  if (std::string why = dropout_refusal(*c.p); !why.empty()) return why;
   if (std::string why = score_options_refusal(*c.p, "serving", "per-sequence flash", true); !why.empty()) return why;
   if (c.p->q.dtype == DType::f64) return "float64 inputs: serving computes in fp32";
   return {};
