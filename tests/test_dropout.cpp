@@ -275,6 +275,8 @@ struct FdCase {
   bool sinks = false, alibi = false;
 };
 
+void PrintTo(const FdCase& c, std::ostream* os) { *os << c.name; }
+
 class DropoutBackward : public ::testing::TestWithParam<FdCase> {};
 
 TEST_P(DropoutBackward, MatchesFiniteDifferences) {
@@ -389,7 +391,7 @@ TEST(DropoutDispatch, RunsTheReference) {
 
   // The same problem packed: [total, H, X] rows of both sequences, back to back.
   const auto pack = [](const Tensor& t) {
-    const i64 B = t.size(0), H = t.size(1), S = t.size(2), X = t.size(3);
+    const i64 B = t.shape()[0], H = t.shape()[1], S = t.shape()[2], X = t.shape()[3];
     Tensor p(DType::f64, {B * S, H, X});
     for (i64 b = 0; b < B; ++b)
       for (i64 h = 0; h < H; ++h)
