@@ -12,6 +12,8 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "core/dropout.hpp"
@@ -311,17 +313,20 @@ TEST_P(DropoutBackward, MatchesFiniteDifferences) {
   else
     reference::attention_backward(c.q.view(), c.k.view(), c.v.view(), out.view(), lse.view(), c.dout.view(), dq.view(),
                                   dk.view(), dv.view(), c.p);
+  // (L(x + h) - L(x - h)) / 2h, x moved in place and restored.
+  const auto central = [&](auto& x, std::remove_reference_t<decltype(x)> h) {
+    const auto x0 = x;
+    x = x0 + h;
+    const double lp = loss();
+    x = x0 - h;
+    const double lm = loss();
+    x = x0;
+    return (lp - lm) / (2.0 * h);
+  };
   for (auto [x, g, what] : {std::tuple{&c.q, &dq, "dq"}, std::tuple{&c.k, &dk, "dk"}, std::tuple{&c.v, &dv, "dv"}}) {
     bool nonzero = false;
     for (i64 e = 0; e < x->numel(); ++e) {
-      double& xe = f64(*x)[e];
-      const double x0 = xe, h = 1e-6;
-      xe = x0 + h;
-      const double lp = loss();
-      xe = x0 - h;
-      const double lm = loss();
-      xe = x0;
-      const double fd = (lp - lm) / (2 * h);
+      const double fd = central(f64(*x)[e], 1e-6);
       nonzero |= f64(*g)[e] != 0;
       EXPECT_NEAR(f64(*g)[e], fd, 1e-7 + 1e-6 * std::abs(fd)) << fc.name << ": " << what << "[" << e << "]";
     }
@@ -329,14 +334,7 @@ TEST_P(DropoutBackward, MatchesFiniteDifferences) {
   }
   if (fc.sinks)  // dL/dz: float32 sinks moved by 2^-10 (exact), so a looser bound (h^2 terms)
     for (i64 hh = 0; hh < fc.Hq; ++hh) {
-      float& z = static_cast<float*>(sinks.data())[hh];
-      const float z0 = z, h = 1.0f / 1024;
-      z = z0 + h;
-      const double lp = loss();
-      z = z0 - h;
-      const double lm = loss();
-      z = z0;
-      const double fd = (lp - lm) / (2.0 * h);
+      const double fd = central(static_cast<float*>(sinks.data())[hh], 1.0f / 1024);
       EXPECT_NEAR(static_cast<const float*>(dz.data())[hh], fd, 1e-5 + 1e-4 * std::abs(fd)) << fc.name << ": dz[" << hh << "]";
     }
 }
