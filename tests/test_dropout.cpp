@@ -383,6 +383,9 @@ TEST(DropoutDispatch, RunsTheReference) {
                                 rk.view(), rv.view(), c.p);
   for (auto [a, b] : {std::pair{&dq, &rq}, std::pair{&dk, &rk}, std::pair{&dv, &rv}})
     EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0);
+  const std::string bwhy = explain_dispatch(c.q.view(), c.k.view(), c.v.view(), out.view(), lse.view(), c.dout.view(),
+                                            dq.view(), dk.view(), dv.view(), c.p);
+  EXPECT_NE(bwhy.find("flash: refused (dropout_p = 0.250000"), std::string::npos) << bwhy;
   AttentionParams forced = c.p;
   forced.kernel = KernelKind::flash;
   EXPECT_THROW(attention(c.q.view(), c.k.view(), c.v.view(), out.view(), forced), Error);
