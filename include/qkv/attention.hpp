@@ -97,6 +97,25 @@ struct AttentionParams {
   /// the key length or a mask excludes them: it extends the window's left side only. 0 = off;
   /// must be >= 0.
   std::int64_t window_keep_first = 0;
+  /// Attention dropout (Srivastava et al. 2014, "Dropout", sec. 2; applied to the attention
+  /// weights as FlashAttention-2, Dao 2023, sec. 3.1, does in its fused kernel): each weight
+  /// P_ij of (batch b, query head h, row i, key j) is kept with probability 1 - dropout_p and
+  /// then multiplied by exactly 1 / (1 - dropout_p), else set to 0:
+  ///   O_i = sum_j P_ij Z_ij v_j / (1 - dropout_p),  Z_ij in {0, 1}.
+  /// softmax_lse and probs are those of the weights before dropout (so the backward can recompute
+  /// P). Must be in [0, 1) (NaN refused); 0 (the default) is no dropout, bit for bit.
+  /// The decisions Z are a pure function of (dropout_seed, dropout_offset, b, h, i, j), from
+  /// the counter-based generator Philox 4x32-10 (Salmon et al. 2011, "Parallel random numbers: as
+  /// easy as 1, 2, 3", sec. 4.1); the exact rule is in docs/semantics.md, "Dropout", and
+  /// dropout_keep_mask() (dropout.hpp) returns it. The same arguments give the same mask in
+  /// attention() and attention_backward() (which regenerates it, never stores it), whatever the
+  /// kernel, threads or traversal. A call draws the Philox counters
+  /// [dropout_offset, dropout_offset + B * Hq) of its seed: advance the offset by B * Hq between
+  /// calls for independent masks under one seed. Packed calls: b is the sequence's index, i and j
+  /// positions within the sequence.
+  double dropout_p = 0.0;
+  std::uint64_t dropout_seed = 0;
+  std::uint64_t dropout_offset = 0;
 };
 
 /// The standard ALiBi slopes of `num_heads` heads (Press et al. 2022, sec. 3; BLOOM's
@@ -112,7 +131,8 @@ std::vector<float> alibi_slopes(std::int64_t num_heads);
 /// around the diagonal (or among the first window_keep_first keys, left of it) and not excluded
 /// by the mask; s_j = scale * q_i.k_j, then softcap, then the ALiBi bias, then the additive
 /// mask; O_i = sum_j softmax(s)_j v_j over admissible j, the sink's logit (if any) in the
-/// softmax's denominator. A row with no admissible key gives O_i = 0 and softmax_lse = -inf
+/// softmax's denominator, each weight dropped or rescaled when dropout_p > 0 (the fast kernels
+/// do not apply dropout yet: such calls run the reference). A row with no admissible key gives O_i = 0 and softmax_lse = -inf
 /// (with sinks: z_h). Keys excluded by causal, window or key lengths are
 /// never read, so NaN or inf stored there cannot leak into any row.
 ///
@@ -121,7 +141,7 @@ std::vector<float> alibi_slopes(std::int64_t num_heads);
 ///   unsupported or mismatched dtypes, a mask not broadcastable to [B,Hq,Sq,Sk], key lengths
 ///   out of [0, Sk], a non-finite scale, a negative softcap, a window side < -1, sinks or
 ///   alibi_slopes not float32, not [Hq] (or [B, Hq] for the slopes), not contiguous or not
-///   finite, a window_keep_first < 0, an output
+///   finite, a window_keep_first < 0, a dropout_p outside [0, 1) or NaN, an output
 ///   overlapping an input (q, k, v, mask) or another output, an output with a zero stride on
 ///   an axis of size > 1, a null data pointer for a non-empty operand, a shape or stride extent
 ///   that overflows int64, num_threads < 0, or a forced kernel that cannot run this call.

@@ -12,7 +12,10 @@
 /// GQA: dK and dV of a KV head sum the contributions of all query heads of its group. Keys a
 /// row does not admit have P = 0 and contribute nothing (keys that no row admits are never read,
 /// and NaN or inf in a key a row excludes never reaches that row's gradients), so a row with no
-/// admissible key gives dQ = 0.
+/// admissible key gives dQ = 0. Dropout (dropout_p > 0): the forward's keep decisions Z are
+/// regenerated from dropout_seed and dropout_offset (never stored) and, with F = Z / (1 - p),
+///   dV = (P * F)^T dO;  dP = (dO V^T) * F;  D_i = rowsum(dO_i * O_i) (O after dropout)
+/// as FlashAttention-2's backward (the reference computes it; the fast backward refuses it yet).
 ///
 /// Shapes (the forward's, docs/semantics.md), any strides with a contiguous last dimension
 /// (BSHD and BHSD are both views):

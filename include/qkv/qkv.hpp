@@ -3,6 +3,7 @@
 /// Umbrella header: everything public in qkv.
 #include "qkv/attention.hpp"
 #include "qkv/backward.hpp"
+#include "qkv/dropout.hpp"
 #include "qkv/error.hpp"
 #include "qkv/explain.hpp"
 #include "qkv/info.hpp"

@@ -4,7 +4,7 @@
 ///
 /// float64, plain loops, no SIMD, no threads: the five steps in the order of
 /// Vaswani et al. 2017, sec. 3.2.1: (1) scores q_i.k_j, (2) scaling, then the options (softcap,
-/// ALiBi, masks), (3) row softmax, (4) weighted sum of the values. Every option of AttentionParams is
+/// ALiBi, masks), (3) row softmax, (4) weighted sum of the values (with dropout_p > 0, of the kept weights rescaled). Every option of AttentionParams is
 /// implemented literally. It is the judge of every fast kernel; see docs/semantics.md.
 
 #include <optional>

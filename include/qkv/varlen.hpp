@@ -20,7 +20,8 @@
 /// of AttentionParams applies to each sequence on its own: scale, softcap, causal and window in
 /// both alignments (bottom_right: the last query of a sequence sits at its last key), GQA.
 /// sinks [Hq], alibi_slopes ([Hq] or [batch, Hq]: one row per sequence) and window_keep_first
-/// apply to each sequence as to one qkv::attention call (the reference runs them).
+/// apply to each sequence as to one qkv::attention call (the reference runs them); so does
+/// dropout_p, sequence b drawing the decisions of batch index b (the reference runs it).
 /// Not accepted: mask and kv_lens (a sequence's keys are its range of cu_seqlens_k).
 /// A sequence with no query does nothing; one with no key gives out = 0, softmax_lse = -inf.
 ///

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/dropout.hpp"
 #include "qkv/attention.hpp"
 
 namespace qkv::detail {
@@ -53,6 +54,7 @@ struct Problem {
   // ranges: a block of a longer sequence (src/dist) whose window is re-expressed in the block's
   // coordinates but whose bias is that of the global positions. 0 for every public call.
   std::int64_t alibi_diag_shift = 0;
+  Dropout dropout;                         // attention dropout (core/dropout.hpp); off by default
 
   bool has_score_options() const noexcept { return !sinks.empty() || !alibi.empty() || keep_first > 0; }
   double slope(std::int64_t b, std::int64_t h) const noexcept {

@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <utility>
@@ -144,6 +146,23 @@ std::vector<double> read_head_values(const TensorView& t, const char* name, cons
 
 }  // namespace
 
+namespace {
+// A double as the shortest text that reads back to it (1 - 1e-17 is not "1.000000").
+std::string format_double(double x) {
+  char buf[32];
+  for (int digits = 6; digits <= 17; ++digits) {
+    std::snprintf(buf, sizeof buf, "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x || std::isnan(x)) break;
+  }
+  return buf;
+}
+}  // namespace
+
+void check_dropout_p(double p) {
+  // !(p >= 0 && p < 1) also refuses NaN.
+  if (!(p >= 0.0 && p < 1.0)) throw Error("dropout_p: expected a probability in [0, 1), got " + format_double(p));
+}
+
 void lower_alibi(Problem& p, const TensorView& slopes, std::int64_t batch) {
   const bool per_head = slopes.rank() == 1 && slopes.size(0) == p.Hq;
   const bool per_batch = slopes.rank() == 2 && slopes.size(0) == batch && slopes.size(1) == p.Hq;
@@ -167,6 +186,9 @@ void lower_score_options(Problem& p, const AttentionParams& params, std::int64_t
   // Not clamped to Sk: packed and paged calls lower their options before their keys are known;
   // the kernels only compare it with key positions (Problem::key_ranges).
   p.keep_first = params.window_keep_first;
+  check_dropout_p(params.dropout_p);
+  if (params.dropout_p > 0.0)
+    p.dropout = Dropout::make(params.dropout_p, params.dropout_seed, params.dropout_offset, p.Hq);
 }
 
 void check_rank4(const TensorView& t, const char* name, const char* axes) {

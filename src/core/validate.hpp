@@ -39,13 +39,15 @@ BackwardProblem lower_attention_backward(const TensorView& q, const TensorView& 
                                          const TensorView& grad_k, const TensorView& grad_v,
                                          const AttentionParams& params);
 
-/// The score options of `params` (sinks, alibi_slopes, window_keep_first) checked and lowered
-/// into `p` (whose Hq and Sk are set): sinks float32 [Hq]; alibi_slopes float32 [Hq] or
-/// [batch, Hq]; both contiguous and finite; window_keep_first >= 0. lower_attention calls it
+/// The score options of `params` (sinks, alibi_slopes, window_keep_first, dropout) checked and
+/// lowered into `p` (whose Hq and Sk are set): sinks float32 [Hq]; alibi_slopes float32 [Hq] or
+/// [batch, Hq]; both contiguous and finite; window_keep_first >= 0; dropout_p in [0, 1). lower_attention calls it
 /// with batch = B; packed calls with their number of sequences (lower_alibi alone, after
 /// lowering the rest without the slopes).
 void lower_score_options(Problem& p, const AttentionParams& params, std::int64_t batch);
 void lower_alibi(Problem& p, const TensorView& slopes, std::int64_t batch);
+/// Throws qkv::Error naming dropout_p unless it is in [0, 1) (NaN refused).
+void check_dropout_p(double p);
 
 /// lower_attention_backward, then grad_sinks through lower_grad_sinks (the grad_sinks overloads
 /// of qkv::attention_backward and qkv::reference::attention_backward).

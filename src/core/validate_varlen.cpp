@@ -367,6 +367,7 @@ VarlenBackwardProblem lower_varlen_backward(const TensorView& q, const TensorVie
                                                 seq_view(out, q0, sq), lse_view(softmax_lse, q0, sq),
                                                 seq_view(grad_out, q0, sq), seq_view(grad_q, q0, sq),
                                                 seq_view(grad_k, k0, sk), seq_view(grad_v, k0, sk), seq_params));
+    vbp.seqs.back().fwd.dropout.b0 = b;
   }
   if (grad_sinks) {
     BackwardProblem whole;
@@ -413,6 +414,7 @@ Problem sequence_problem(const VarlenProblem& vp, std::int64_t b, const Attentio
     s.alibi.assign(row, row + s.Hq);
     s.alibi_sb = 0;
   }
+  s.dropout.b0 = b;  // the sequence's own dropout decisions: b is its index in the batch
   return s;
 }
 

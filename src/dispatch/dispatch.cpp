@@ -22,11 +22,23 @@ const char* kind_name(KernelKind k) {
 
 std::string accept(const Call&) { return {}; }
 
+// Dropout: only the reference applies it yet; every fast kernel's gate says so first.
+std::string dropout_refusal(const Problem& p) {
+  if (!p.dropout.on()) return {};
+  return "dropout_p = " + std::to_string(p.dropout.p) + ": no fast kernel applies dropout yet (the reference does)";
+}
+
 // ---- qkv::attention -----------------------------------------------------------------------------
 
 // decode takes every score option (sinks in its merge, the position terms by its score rule).
-std::string decode_gate(const Call& c) { return decode_refuse(*c.p); }
-std::string flash_gate(const Call& c) { return flash_refuse(*c.p); }
+std::string decode_gate(const Call& c) {
+  if (std::string why = dropout_refusal(*c.p); !why.empty()) return why;
+  return decode_refuse(*c.p);
+}
+std::string flash_gate(const Call& c) {
+  std::string why = dropout_refusal(*c.p);
+  return why.empty() ? flash_refuse(*c.p) : why;
+}
 // The tiled kernels are handed the level's bf16 form for bf16 q (kernels/engine/engine.hpp).
 std::string forward_isa(const Call& c) { return active_isa_form(c.p->q.dtype == DType::bf16); }
 
@@ -58,7 +70,10 @@ std::string reference_describe() { return "float64 loops, always usable"; }
 
 // ---- qkv::attention_backward --------------------------------------------------------------------
 
-std::string flash_backward_gate(const Call& c) { return flash_backward_refuse(*c.bp); }
+std::string flash_backward_gate(const Call& c) {
+  std::string why = dropout_refusal(c.bp->fwd);
+  return why.empty() ? flash_backward_refuse(*c.bp) : why;
+}
 // The bf16 form needs bf16 q, dO and O (kernels/engine/engine.hpp).
 std::string backward_isa(const Call& c) {
   const BackwardProblem& bp = *c.bp;
@@ -72,6 +87,7 @@ void run_reference_backward(const Call& c) { reference_backward(*c.bp); }
 // ---- packed and paged batches ---------------------------------------------------------------------
 
 std::string serving_gate(const Call& c) {
+  if (std::string why = dropout_refusal(*c.p); !why.empty()) return why;
   if (c.p->q.dtype == DType::f64) return "float64 inputs: serving computes in fp32";
   return {};
 }

@@ -2,10 +2,12 @@
 //
 // The derivative of the five steps of reference.cpp, written literally in float64, one query
 // row at a time (the forward row is recomputed by the same ReferenceRows, so P and O are the
-// specification's own). For row i of head h (KV head hk) with weights P_i, output O_i, dO_i:
-//   dV_j   += P_ij dO_i                      (dV = P^T dO)
-//   dP_ij   = dO_i . v_j                     (dP = dO V^T)
-//   D_i     = dO_i . O_i                     (rowsum(dO * O))
+// specification's own). For row i of head h (KV head hk) with weights P_i, output O_i, dO_i and
+// dropout factors F_ij = Z_ij / (1 - p) (1 without dropout; the same decisions as the forward's,
+// regenerated from the seed, core/dropout.hpp):
+//   dV_j   += P_ij F_ij dO_i                 (dV = (P o F)^T dO)
+//   dP_ij   = F_ij dO_i . v_j                (dP = dO V^T o F)
+//   D_i     = dO_i . O_i                     (rowsum(dO * O), O after dropout)
 //   dS_ij   = P_ij (dP_ij - D_i)             (softmax backward: the gradient of the logits)
 //   dX_ij   = dS_ij (1 - tanh^2(x_ij / c))   (softcap c > 0, x_ij = scale q_i.k_j; the
 //                                             additive mask has derivative 1)
@@ -63,13 +65,16 @@ void reference_backward(const BackwardProblem& bp) {
             vj[x] = load_as_double(p.v.data, p.v.dtype, b * p.v.sb + hk * p.v.sh + j * p.v.ss + x);
           for (std::int64_t x = 0; x < p.D; ++x)
             kj[x] = load_as_double(p.k.data, p.k.dtype, b * p.k.sb + hk * p.k.sh + j * p.k.ss + x);
-          // dV_j += P_ij dO_i;  dP_ij = dO_i . v_j
+          // dV_j += P_ij F_ij dO_i;  dP_ij = F_ij dO_i . v_j
+          const double f = p.dropout.on() ? p.dropout.factor(b, h, i, j) : 1.0;
+          const double pf = p.dropout.on() ? alpha[j] * f : alpha[j];
           double dP = 0.0;
           double* dvj = &dv[at(b, hk, j, p.Hkv, p.Sk, p.Dv)];
           for (std::int64_t x = 0; x < p.Dv; ++x) {
-            dvj[x] += alpha[j] * dout[x];
+            dvj[x] += pf * dout[x];
             dP += dout[x] * vj[x];
           }
+          if (p.dropout.on()) dP *= f;
           // dS_ij = P_ij (dP_ij - D_i), through softcap to the scaled score.
           double dS = alpha[j] * (dP - Di);
           if (p.softcap > 0.0) {

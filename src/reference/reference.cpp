@@ -10,6 +10,8 @@
 //   3. softmax    alpha_j = exp(s_j - max) / (exp(z_h - max) + sum_k exp(s_k - max)),
 //                 max over the s_k and the sink logit z_h (the sink term only with sinks)
 //   4. weighted   z_i = sum_j alpha_j v_j               (the sink adds no value)
+//      dropout    alpha_j * Z_ij / (1 - p) in place of alpha_j (Z_ij: the keep decision,
+//                 core/dropout.hpp); softmax_lse and the weights stay those before dropout
 //   5. outputs    O_i = z_i, softmax_lse_i = max + log(sum)
 // No SIMD, no threads, no blocking. Keys outside [lo, hi) (causal, window, key lengths; with
 // window_keep_first, also [0, first_hi)) and keys a mask excludes are never read. Accuracy
@@ -99,7 +101,9 @@ double ReferenceRows::run(std::int64_t b, std::int64_t h, std::int64_t i, double
   for (std::int64_t j = 0; j < p.Sk && !empty; ++j) {
     if (state_[j] != KeyState::admitted) continue;  // excluded keys are never read
     load_row(p.v.data, p.v.dtype, b * p.v.sb + hk * p.v.sh + j * p.v.ss, p.Dv, v_.data());
-    for (std::int64_t x = 0; x < p.Dv; ++x) z[x] += alpha[j] * v_[x];
+    // A dropped key still multiplies its value by 0, as a weight that underflows does (NaN stays).
+    const double w = p.dropout.on() ? alpha[j] * p.dropout.factor(b, h, i, j) : alpha[j];
+    for (std::int64_t x = 0; x < p.Dv; ++x) z[x] += w * v_[x];
   }
   // Step 5: softmax_lse.
   return empty ? kNegInf : row_max + std::log(sum);

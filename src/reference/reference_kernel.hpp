@@ -27,7 +27,8 @@ class ReferenceRows {
  public:
   explicit ReferenceRows(const Problem& p);
   /// Row (b, h, i): writes the weights alpha[Sk] (0 for excluded keys; all 0 for an empty row)
-  /// and z[Dv] = sum_j alpha_j v_j, records the steps asked for, and returns softmax_lse
+  /// and z[Dv] = sum_j alpha_j v_j (alpha_j times Z_ij / (1 - p) with dropout; alpha stays the
+  /// weights before dropout), records the steps asked for, and returns softmax_lse
   /// (natural log, the sink included; -inf for a row with no admissible key and no sink, z_h
   /// with a sink; NaN if a score is NaN).
   double run(std::int64_t b, std::int64_t h, std::int64_t i, double* alpha, double* z,
