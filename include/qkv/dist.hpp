@@ -28,6 +28,8 @@
 ///     -slope |i + offset - j| with i, j global and offset the global diagonal's.
 ///   window_keep_first N: global keys [0, N) are admitted to every query besides its window
 ///     (below the right bound); every block holding such keys computes them.
+/// params.dropout_p must be 0: dropout decides by global (b, h, i, j) and the blocks are local
+/// calls, so qkv::dist refuses it by name ("dropout_p: expected 0 ...") on every rank.
 /// Results are bitwise those of simulate_ring_attention (the same block schedule run in one
 /// process), for every number of threads; against qkv::attention they differ by the rounding of
 /// the merges (docs/distributed.md).

@@ -361,6 +361,10 @@ void check_local(const TensorView& q, const TensorView& k, const TensorView& v, 
   // window, threads), on the first row of the local operands (the number of rows is checked
   // above) with a small scratch output; mask and key lengths are global and checked below
   // against the global shape.
+  // Dropout decides by global (b, h, i, j); the blocks are local calls that would draw their own.
+  if (params.dropout_p != 0.0)
+    throw Error("dropout_p: expected 0 (qkv::dist does not apply attention dropout; qkv::attention does), got " +
+                std::to_string(params.dropout_p));
   AttentionParams p = params;
   p.mask.reset();
   p.kv_lens.reset();

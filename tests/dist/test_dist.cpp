@@ -285,6 +285,32 @@ void run_grad_sinks_refusal(MPI_Comm comm) {
   }
 }
 
+// Dropout decides by global positions, which the blocks do not have: refused by name everywhere.
+void run_dropout_refusal(MPI_Comm comm) {
+  int P = 1, r = 0;
+  MPI_Comm_size(comm, &P);
+  MPI_Comm_rank(comm, &r);
+  const i64 S = 12;
+  const i64 n = shard(S, P, r, Placement::contiguous)[0].length;
+  Tensor q(DType::f32, {1, 2, n, 4}), out(DType::f32, {1, 2, n, 4}), lse(DType::f32, {1, 2, n});
+  Tensor zq(DType::f32, {1, 2, S, 4}), zl(DType::f32, {1, 2, S});
+  RingOptions o;
+  o.placement = Placement::contiguous;
+  AttentionParams params;
+  params.dropout_p = 0.1;
+  for (int call = 0; call < 2; ++call) {
+    std::string msg;
+    try {
+      if (call == 0) ring_attention(comm, q, q, q, out, lse, S, S, params, o);
+      if (call == 1) simulate_ring_attention(2, zq, zq, zq, zq, zl, params, o);
+    } catch (const Error& e) {
+      msg = e.what();
+    }
+    check(msg.find("dropout_p: expected 0") != std::string::npos,
+          "dropout refused by name (call " + std::to_string(call) + "): " + msg);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -390,6 +416,7 @@ int main(int argc, char** argv) {
   }
   run_refusal(MPI_COMM_WORLD);
   run_grad_sinks_refusal(MPI_COMM_WORLD);
+  run_dropout_refusal(MPI_COMM_WORLD);
 
   int fails = 0;
   MPI_Allreduce(&g_failures, &fails, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
