@@ -176,7 +176,7 @@ Tensor::Tensor(DType dtype, Shape shape) : dtype_(dtype), shape_(std::move(shape
   // Large tensors (KV caches and pools, weights) on transparent huge pages: a paged KV pool is
   // read block by block in random order, and on 4 KiB pages each 16-key block cost a TLB miss
   // and a page-table walk (paged / packed decode time on a Zen 5, the two calls timed alone:
-  // 1.3-1.6 before, 1.0-1.2 with huge pages; docs/performance-history.md).
+  // 1.3-1.6 before, 1.0-1.2 with huge pages; `qkv bench --serving`).
   if (bytes >= kHugeTensorBytes) {
     mapped = (bytes + kHugePage - 1) / kHugePage * kHugePage;
     p = map_huge(mapped);

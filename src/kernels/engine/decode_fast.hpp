@@ -305,7 +305,7 @@ struct DecodeFast {
   // reads of both stay in flight together; with one row there is too little arithmetic per byte
   // to hide the switch between whole K and V tiles. With 2 or 4 rows (GQA) a pipelined pass
   // measured slower than tile by tile (process_fast_tiles), so it serves one row only
-  // (docs/performance-history.md). Same arithmetic in the same order as process_fast_tiles, so the same
+  // (`qkv bench --shapes decode`). Same arithmetic in the same order as process_fast_tiles, so the same
   // result bit for bit: each score is formed alone and each FMA chain runs in key order (the
   // accumulator is rescaled once per tile, then multiplied by 1 between steps).
   template <Elt E, class Rule>

@@ -95,7 +95,7 @@ struct Drivers {
   // Keys per chunk, fixed by the problem alone (never by the thread count): at most 64 chunks per
   // (b, KV head), at least kDecodeMinChunk keys each, partials bounded to about 16 MiB. Long
   // chunks let each thread read K and V in long contiguous runs, which streams faster than
-  // 256-key chunks did (docs/performance-history.md). The price: fewer items to share out,
+  // 256-key chunks did (`qkv bench --shapes decode`). The price: fewer items to share out,
   // B x Hkv x ceil(Sk / 4096) of them.
   static constexpr i64 kDecodeMinChunk = 4096;
   static i64 decode_chunk(const Problem& p) {

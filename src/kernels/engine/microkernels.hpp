@@ -65,7 +65,7 @@ struct Microkernels {
   // r < sp, rows r >= n zero: W x W blocks transposed in registers (Ops::transpose, shuffles only:
   // the bits pass unchanged), the last cols % W words one by one. Element by element, with a
   // store to a new cache line each time, packing Q was a visible part of short calls
-  // (docs/performance-history.md). T: the rows' element type (only their bytes are read).
+  // (`qkv bench --shapes forward`). T: the rows' element type (only their bytes are read).
   template <class T>
   static void transpose_words(const T* const* src, int n, i64 cols, float* dst, int sp) {
     alignas(64) static constexpr float kZeros[W] = {};
