@@ -261,8 +261,9 @@ void run_refusal(MPI_Comm comm) {
     check(msg.find("q: expected this rank's") != std::string::npos, "refusal: the faulty rank names q: " + msg);
 }
 
-// grad_sinks without sinks: every rank refuses by name, the ring and its simulation alike.
-void run_grad_sinks_refusal(MPI_Comm comm) {
+// Refused by name on every rank, the ring and its simulation alike: grad_sinks without sinks, and
+// dropout (it decides by global positions, which the blocks do not have).
+void run_refusals(MPI_Comm comm) {
   int P = 1, r = 0;
   MPI_Comm_size(comm, &P);
   MPI_Comm_rank(comm, &r);
@@ -272,42 +273,24 @@ void run_grad_sinks_refusal(MPI_Comm comm) {
   Tensor zq(DType::f32, {1, 2, S, 4}), zl(DType::f32, {1, 2, S}), dz(DType::f32, {2});
   RingOptions o;
   o.placement = Placement::contiguous;
-  for (int call = 0; call < 2; ++call) {
+  AttentionParams dropout;
+  dropout.dropout_p = 0.1;
+  for (int call = 0; call < 4; ++call) {
     std::string msg;
     try {
       if (call == 0) ring_attention_backward(comm, q, q, q, out, lse, out, q, q, q, dz, S, S, {}, o);
       if (call == 1) simulate_ring_attention_backward(2, zq, zq, zq, zq, zl, zq, zq, zq, zq, dz, {}, o);
+      if (call == 2) ring_attention(comm, q, q, q, out, lse, S, S, dropout, o);
+      if (call == 3) simulate_ring_attention(2, zq, zq, zq, zq, zl, dropout, o);
     } catch (const Error& e) {
       msg = e.what();
     }
-    check(msg.rfind("grad_sinks: expected params.sinks", 0) == 0,
-          "grad_sinks without sinks refused by name (call " + std::to_string(call) + "): " + msg);
-  }
-}
-
-// Dropout decides by global positions, which the blocks do not have: refused by name everywhere.
-void run_dropout_refusal(MPI_Comm comm) {
-  int P = 1, r = 0;
-  MPI_Comm_size(comm, &P);
-  MPI_Comm_rank(comm, &r);
-  const i64 S = 12;
-  const i64 n = shard(S, P, r, Placement::contiguous)[0].length;
-  Tensor q(DType::f32, {1, 2, n, 4}), out(DType::f32, {1, 2, n, 4}), lse(DType::f32, {1, 2, n});
-  Tensor zq(DType::f32, {1, 2, S, 4}), zl(DType::f32, {1, 2, S});
-  RingOptions o;
-  o.placement = Placement::contiguous;
-  AttentionParams params;
-  params.dropout_p = 0.1;
-  for (int call = 0; call < 2; ++call) {
-    std::string msg;
-    try {
-      if (call == 0) ring_attention(comm, q, q, q, out, lse, S, S, params, o);
-      if (call == 1) simulate_ring_attention(2, zq, zq, zq, zq, zl, params, o);
-    } catch (const Error& e) {
-      msg = e.what();
-    }
-    check(msg.find("dropout_p: expected 0") != std::string::npos,
-          "dropout refused by name (call " + std::to_string(call) + "): " + msg);
+    if (call < 2)
+      check(msg.rfind("grad_sinks: expected params.sinks", 0) == 0,
+            "grad_sinks without sinks refused by name (call " + std::to_string(call) + "): " + msg);
+    else
+      check(msg.find("dropout_p: expected 0") != std::string::npos,
+            "dropout refused by name (call " + std::to_string(call) + "): " + msg);
   }
 }
 
@@ -415,8 +398,7 @@ int main(int argc, char** argv) {
     }
   }
   run_refusal(MPI_COMM_WORLD);
-  run_grad_sinks_refusal(MPI_COMM_WORLD);
-  run_dropout_refusal(MPI_COMM_WORLD);
+  run_refusals(MPI_COMM_WORLD);
 
   int fails = 0;
   MPI_Allreduce(&g_failures, &fails, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
